@@ -1,0 +1,3 @@
+from opdkit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,355 @@
+"""Typed, frozen run configuration: every knob and its one default live here.
+
+``params.yaml`` mirrors these dataclasses. ``load_config`` reads a YAML file (missing keys take
+the defaults below, unknown keys are an error), then applies ``key=value`` overrides with dotted
+paths, type-checking each value; errors name the key and the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A params file or override that does not fit the schema (the message names the key)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""  # HF directory; "" = the embedded default
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    path: str = ""  # HF directory; "" = the embedded teacher (ignored by privileged sources)
+    # model: a separate frozen model; privileged_fixed / privileged_ema / privileged_live: the
+    # student itself, given the reference solution in its prompt (fixed initial copy, EMA, live).
+    source: str = "model"
+    ema_decay: float = 0.99  # privileged_ema: teacher <- decay*teacher + (1-decay)*student per step
+    # What the teacher returns follows from loss.name: sampled-token log-probs (k1, k3, sft),
+    # top-k (topk_fkl, K = loss.topk) or the full vocabulary (fkl, rkl, jsd; chunked).
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    integer_answers: bool = False
+    min_solution_chars: int = 0
+    exclude_sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # parquet/jsonl; "" = the embedded train split
+    eval: str = ""  # parquet/jsonl; "" = the embedded eval split
+    prompt_format: str = "raw"  # raw (the prompt as given) | boxed | answer_line (an instruction added)
+    chat_template: bool = False
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    max_rows: int = 0  # 0 = all rows (after filtering)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "hf"  # hf | vllm
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    static_cache: bool = True  # used on CUDA only
+    gpu_memory_utilization: float = 0.35  # vllm only
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    name: str = "rkl"  # k1 | k3 | topk_fkl | fkl | rkl | jsd | sft
+    clip_eps: float = 0.2  # PPO ratio clip for k1/k3
+    topk: int = 16  # for topk_fkl
+    tail_bucket: bool = True  # topk_fkl: lump the teacher's remaining mass into one bucket
+    jsd_beta: float = 0.5  # 0 = forward KL, 1 = reverse KL
+    clip: str = "none"  # none | entry (min(p_T log p_T/p_S, tau) per vocab entry) | token
+    clip_tau: float = 0.05
+    sft_source: str = "teacher"  # sft control: teacher samples | reference solutions
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1.0e-4
+    schedule: str = "cosine"  # constant | linear | cosine | wallclock_cosine
+    warmup_steps: int = 20
+    min_lr: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch: int = 0  # sequences per forward/backward; 0 = the whole step at once
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    max_steps: int = 0  # 0 = no step horizon (the wall clock decides)
+    max_wall_time_s: float = 180.0  # 0 = no wall-clock limit
+    deadline_reserve_s: float = 10.0  # stop this long before the wall budget to publish
+    schedule_steps: int = 0  # horizon for step-based lr schedules; 0 = max_steps
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    every_steps: int = 50
+    keep: int = 3
+    retries: int = 5
+    backoff_s: float = 0.5
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    n_samples: int = 4
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_new_tokens: int = 64
+    batch_size: int = 512  # sequences per generate call
+    seed: int = 1234
+    max_questions: int = 0  # 0 = every question of the eval split
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 autocast with fp32 masters on GPU) | float32 | bfloat16
+    threads: int = 2  # torch CPU threads (fixed so CPU runs are reproducible)
+    grad_checkpointing: bool = False
+    logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab
+    alignment_check: bool = True  # check teacher/student alignment on the first batch
+
+
+@dataclass(frozen=True)
+class StudiesConfig:
+    n_prompts: int = 64
+    samples_per_prompt: int = 2
+    padding_k: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+    clip_tau: tuple[float, ...] = (0.0, 0.001, 0.01, 0.05, 0.1, 0.5, 1.0, float("inf"))
+    kl_bins: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 1.0, float("inf"))
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    seeds: tuple[int, ...] = (0, 1, 2)
+    baseline_arm: str = "rkl"
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    """How ``opdkit embedded --rebuild`` makes the task and the tiny models (fixed step counts, so
+    the same seed gives identical files whatever else the machine is doing)."""
+
+    seed: int = 0
+    n_train: int = 20000
+    n_eval: int = 300
+    hidden_size: int = 128
+    layers: int = 4
+    heads: int = 4
+    intermediate_size: int = 512
+    batch_size: int = 64
+    lr: float = 3.0e-3
+    warmup_steps: int = 50
+    teacher_steps: int = 1000  # correct solutions, cosine to 0 (the teacher: Llama)
+    student_base_steps: int = 500  # the student starts from the teacher's run at this step ...
+    student_carry_steps: int = 150  # ... then learns carry-dropped additions (a Qwen2 copy)
+    student_lr: float = 1.0e-3
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    student: ModelConfig = field(default_factory=ModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    studies: StudiesConfig = field(default_factory=StudiesConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "teacher.source": ("model", "privileged_fixed", "privileged_ema", "privileged_live"),
+    "data.prompt_format": ("boxed", "answer_line", "raw"),
+    "rollout.engine": ("hf", "vllm"),
+    "loss.name": ("k1", "k3", "topk_fkl", "fkl", "rkl", "jsd", "sft"),
+    "loss.clip": ("none", "entry", "token"),
+    "loss.sft_source": ("teacher", "reference"),
+    "optim.schedule": ("constant", "linear", "cosine", "wallclock_cosine"),
+    "runtime.device": ("auto", "cpu", "cuda"),
+    "runtime.dtype": ("auto", "float32", "bfloat16"),
+}
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` (coercing int->float, list->tuple)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"params key '{key}': expected a mapping (section), got {value!r}")
+        return _build(tp, value, key + ".")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"params key '{key}': expected a list of {_type_name(args[0])}, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"params key '{key}': expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"internal: union type at {key}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"params key '{key}': expected bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"params key '{key}': expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", ".inf", "-inf", "-.inf", "nan"):
+            return float(value.replace(".", ""))
+        raise ConfigError(f"params key '{key}': expected float, got {value!r}")
+    if tp is str:
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            allowed = CHOICES.get(key)
+            if allowed and value not in allowed:
+                raise ConfigError(f"params key '{key}': expected one of {', '.join(allowed)}; got {value!r}")
+            return value
+        raise ConfigError(f"params key '{key}': expected str, got {value!r}")
+    raise ConfigError(f"internal: unsupported annotation {tp!r} at {key}")
+
+
+def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in raw:
+        if k not in names:
+            raise ConfigError(f"unknown params key '{prefix}{k}'; known keys here: {', '.join(sorted(names))}")
+    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain YAML/JSON-able data (tuples become lists)."""
+
+    def plain(x: Any) -> Any:
+        if dataclasses.is_dataclass(x):
+            return {f.name: plain(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(cfg)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"params key '{dotted}': '{p}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _check_key_exists(dotted: str) -> None:
+    cls: Any = Config
+    for i, p in enumerate(dotted.split(".")):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if p not in fields:
+            where = ".".join(dotted.split(".")[:i]) or "top level"
+            known = ", ".join(sorted(fields)) if fields else "(no sub-keys: it is a value)"
+            raise ConfigError(f"unknown params key '{dotted}' (no '{p}' in {where}; known: {known})")
+        cls = typing.get_type_hints(cls)[p]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"loss.name=jsd"`` -> ``("loss.name", "jsd")``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value (e.g. loss.name=jsd)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    _check_key_exists(key)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    return key, value
+
+
+def config_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    tree = json.loads(json.dumps(raw or {}))  # deep copy; never mutate the caller's data
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return _build(Config, tree)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read ``path`` (YAML; None = defaults only), apply ``key=value`` overrides, validate."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"params file {p} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"params file {p} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"params file {p}: expected a mapping at the top level")
+    try:
+        return config_from_dict(raw, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {path})" if path else str(e)) from None
+
+
+def replace(cfg: Config, *overrides: str) -> Config:
+    """A copy of ``cfg`` with ``key=value`` overrides applied (the original is untouched)."""
+    return config_from_dict(to_dict(cfg), list(overrides))
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

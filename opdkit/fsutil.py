@@ -1,0 +1,209 @@
+"""Small, generic file-system helpers for long runs on shared file systems.
+
+- ``retry_io``: retry a whole I/O operation on *transient* errors (NFS/Lustre hiccups such as
+  ``ECOMM``), fail at once on anything else.
+- ``fsync_dir`` / ``fsync_tree`` / ``atomic_write_*``: durable, all-or-nothing writes.
+- ``OutputLock``: one run per output directory (``flock`` on ``DIR/.opdkit.lock``).
+
+Standard library only, so it is cheap to import anywhere (including a lock-probing subprocess).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# errno values that a retry can cure: a shared file system that briefly lost its server.
+TRANSIENT_ERRNOS: frozenset[int] = frozenset(
+    {errno.EIO, errno.ECOMM, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.EBUSY}
+)
+
+LOCK_NAME = ".opdkit.lock"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for an ``OSError`` whose errno is in ``TRANSIENT_ERRNOS``."""
+    return isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS
+
+
+def retry_io(
+    fn: Callable[[], T],
+    *,
+    retries: int,
+    backoff_s: float,
+    what: str,
+    log: Callable[[str], Any] = print,
+) -> T:
+    """Call ``fn()``; on a transient ``OSError`` log one line and call it again.
+
+    Waits ``backoff_s * 2**i`` before retry ``i`` (0-based), at most ``retries`` retries, then
+    re-raises the last error (with a note saying how many attempts were made). A non-transient
+    error (``ENOSPC``, ``EACCES``, a bug, ...) is raised at once. ``fn`` must be safe to call
+    again from scratch, i.e. clean up after itself when it fails.
+    """
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except OSError as exc:
+            if not is_transient(exc):
+                raise
+            if attempt == retries:
+                exc.add_note(f"opdkit: gave up {what} after {attempt + 1} attempts")
+                raise
+            delay_s = backoff_s * 2**attempt
+            log(
+                f"transient I/O error while {what}: {exc}; "
+                f"retry {attempt + 1}/{retries} in {delay_s:.2f}s"
+            )
+            time.sleep(delay_s)
+    raise AssertionError("unreachable")
+
+
+# --- durability -----------------------------------------------------------------------------
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some file systems cannot fsync a directory (EINVAL): nothing more we can do there.
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under ``path`` (children before parents)."""
+    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            fsync_file(os.path.join(dirpath, name))
+        fsync_dir(dirpath)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``path`` all-or-nothing: temp file in the same dir, fsync, ``os.replace``, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
+
+
+# --- one run per output directory -------------------------------------------------------------
+
+
+class LockHeld(RuntimeError):
+    """Another process (or another ``OutputLock`` in this one) holds the output directory."""
+
+    def __init__(self, directory: Path, holder: str):
+        self.directory = directory
+        self.holder = holder
+        super().__init__(
+            f"output directory {directory} is in use by another run ({holder}); wait for it to "
+            f"finish or choose another output directory"
+        )
+
+
+class OutputLock:
+    """Exclusive, non-blocking ``flock`` on ``DIR/.opdkit.lock``; raises ``LockHeld`` if taken.
+
+    Creates ``DIR`` if needed and nothing inside it but the lock file. The holder's pid and host
+    are written into the lock file (for the error message); the file is left in place on release
+    (deleting a lock file races with other lockers). The lock dies with the process, so a killed
+    run never leaves a stale lock behind.
+
+        with OutputLock(out_dir):
+            ...  # the whole run
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> OutputLock:
+        if self._fd is not None:
+            raise RuntimeError(f"OutputLock on {self.directory} is already acquired")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LockHeld(self.directory, holder) from exc
+            raise OSError(
+                exc.errno,
+                f"cannot lock {self.path} ({exc.strerror}); this file system may not support "
+                f"flock: choose an output directory on one that does",
+            ) from exc
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)  # closing releases the flock
+            raise
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)  # still ours: clear the holder record before unlocking
+        except OSError:
+            pass  # cosmetic only; the lock is released by close() below regardless
+        os.close(fd)
+
+    def __enter__(self) -> OutputLock:
+        return self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text or "pid unknown"

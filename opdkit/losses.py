@@ -1,0 +1,398 @@
+"""Distillation losses: pure tensor functions, each returning ``(loss, metrics)``.
+
+Sampled-token losses (log-probs of the sampled completion tokens, ``*_B_T``; OPD as RL with a
+per-token teacher reward, PPO-clipped against the sampling-time log-probs):
+
+- ``k1_loss``: advantage A = log p_T - log p_S (tinker-cookbook's "reverse KL as reward").
+- ``k3_loss``: advantage A = -(r - 1 - log r), r = p_T / p_S (the k3 KL estimator, always <= 0).
+- ``sft_loss``: negative log-likelihood of the given tokens (the SFT control).
+
+Full-distribution losses (student logits and teacher log-probs over the vocabulary, ``*_B_T_V``):
+
+- ``fkl_loss``: forward KL(p_T || p_S) per position (mode-covering).
+- ``rkl_loss``: reverse KL(p_S || p_T) per position (mode-seeking), exact over the vocabulary.
+- ``jsd_loss``: generalized JSD of GKD (beta=0: forward KL, beta=1: reverse KL).
+- ``topk_fkl_loss``: forward KL over the teacher's top-K ids, plus one tail bucket.
+
+Normalisation: every loss takes ``n_tokens``, the number of masked-in completion tokens in the
+whole optimizer step (all micro-batches), and returns ``sum of per-token loss / n_tokens``; the
+losses of a step's micro-batches therefore add up to the step's token mean.
+
+Clipping (fkl / rkl / jsd, ``clip`` and ``tau``): ``"entry"`` replaces each per-vocabulary
+summand of the divergence by ``min(summand, tau)`` (a clipped entry is the constant tau, no
+gradient); ``"token"`` scales each position's divergence by ``min(1, tau / div).detach()`` (value
+capped at tau, gradient direction kept).
+
+Metrics are detached python floats. Means are over this call's masked-in tokens (not divided by
+``n_tokens``); ``tokens`` is that count, to weight means when combining micro-batches. ``kl`` is
+always the unclipped reverse KL(student || teacher) per token (sampled k1 estimate for k1/k3).
+Teacher inputs are constants (detached). Padding positions of the detached inputs are replaced by
+the student's own values, so garbage (inf/nan) there cannot reach the loss or its gradient.
+Computation is in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+CLIPS = ("none", "entry", "token")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def masked_sum(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Sum of ``x_B_T`` over positions where ``mask_B_T`` is nonzero (0-dim tensor, keeps grad).
+
+    Padding values are selected away (not multiplied by 0), so inf/nan there do not leak.
+    """
+    assert x_B_T.shape == mask_B_T.shape, f"x {tuple(x_B_T.shape)} vs mask {tuple(mask_B_T.shape)}"
+    return torch.where(mask_B_T != 0, x_B_T, torch.zeros_like(x_B_T)).sum()
+
+
+def entry_clip_terms(terms_B_T_V: Tensor, tau: float) -> tuple[Tensor, Tensor]:
+    """Per-vocabulary-entry clip (OPSD): each summand becomes ``min(term, tau)``.
+
+    Returns ``(clipped_terms_B_T_V, clipped_mask_B_T_V)``; an entry is clipped when ``term > tau``
+    and then contributes the constant ``tau`` with zero gradient. ``tau=inf`` clips nothing,
+    ``tau=0`` clips every positive entry.
+    """
+    assert terms_B_T_V.dim() == 3, f"terms_B_T_V must be B x T x V, got {tuple(terms_B_T_V.shape)}"
+    clipped_mask_B_T_V = terms_B_T_V > tau
+    tau_t = torch.tensor(tau, dtype=terms_B_T_V.dtype, device=terms_B_T_V.device)
+    return torch.where(clipped_mask_B_T_V, tau_t, terms_B_T_V), clipped_mask_B_T_V
+
+
+def clipped_mass(teacher_logp_B_T_V: Tensor, clipped_mask_B_T_V: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Mean over masked-in positions of the teacher probability mass in clipped entries (0-dim, detached)."""
+    B, T, V = teacher_logp_B_T_V.shape
+    assert clipped_mask_B_T_V.shape == (B, T, V) and mask_B_T.shape == (B, T)
+    with torch.no_grad():
+        p_T_B_T_V = teacher_logp_B_T_V.float().exp()
+        mass_B_T = torch.where(clipped_mask_B_T_V, p_T_B_T_V, torch.zeros_like(p_T_B_T_V)).sum(-1)
+        return masked_sum(mass_B_T, mask_B_T) / (mask_B_T != 0).sum().clamp_min(1)
+
+
+def _fkl_terms(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """Summands p_T (log p_T - log p_S) of KL(p_T || p_S) over the last axis (0 where p_T = 0)."""
+    p_T = teacher_logp.exp()
+    return torch.where(p_T > 0, p_T * (teacher_logp - student_logp), torch.zeros_like(p_T))
+
+
+def _rkl_terms(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """Summands p_S (log p_S - log p_T) of KL(p_S || p_T) over the last axis (0 where p_S = 0)."""
+    p_S = student_logp.exp()
+    return torch.where(p_S > 0, p_S * (student_logp - teacher_logp), torch.zeros_like(p_S))
+
+
+def _jsd_terms(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:
+    """Summands of beta KL(p_T || m) + (1 - beta) KL(p_S || m), m = beta p_T + (1 - beta) p_S."""
+    if beta == 0.0:
+        return _fkl_terms(student_logp, teacher_logp)
+    if beta == 1.0:
+        return _rkl_terms(student_logp, teacher_logp)
+    log_m = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log(1.0 - beta))
+    return beta * _fkl_terms(log_m, teacher_logp) + (1.0 - beta) * _rkl_terms(student_logp, log_m)
+
+
+def reverse_kl_per_token(student_logp_B_T_V: Tensor, teacher_logp_B_T_V: Tensor) -> Tensor:
+    """KL(p_S || p_T) at every position, ``B_T`` (differentiable in both inputs)."""
+    assert student_logp_B_T_V.dim() == 3 and student_logp_B_T_V.shape == teacher_logp_B_T_V.shape
+    return _rkl_terms(student_logp_B_T_V, teacher_logp_B_T_V).sum(-1)
+
+
+def forward_kl_per_token(student_logp_B_T_V: Tensor, teacher_logp_B_T_V: Tensor) -> Tensor:
+    """KL(p_T || p_S) at every position, ``B_T`` (differentiable in both inputs)."""
+    assert student_logp_B_T_V.dim() == 3 and student_logp_B_T_V.shape == teacher_logp_B_T_V.shape
+    return _fkl_terms(student_logp_B_T_V, teacher_logp_B_T_V).sum(-1)
+
+
+def _check_logits(student_logits_B_T_V: Tensor) -> tuple[int, int, int]:
+    shape = tuple(student_logits_B_T_V.shape)
+    assert len(shape) == 3, f"student_logits_B_T_V must be B x T x V, got {shape}"
+    return shape
+
+
+def _check_n_tokens(n_tokens: float) -> float:
+    n = float(n_tokens)
+    assert n > 0, f"n_tokens must be > 0 (masked-in completion tokens of the whole step), got {n_tokens}"
+    return n
+
+
+def _floats(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """0-dim tensors -> python floats with one device sync."""
+    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
+    return dict(zip(metrics.keys(), values))
+
+
+def _mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    return masked_sum(x_B_T.detach(), mask_B_T) / mask_B_T.sum().clamp_min(1)
+
+
+def _topk_overlap_B_T(teacher_ids_B_T_k: Tensor, student_ids_B_T_k: Tensor) -> Tensor:
+    """|teacher ids ∩ student ids| / k at every position (ids distinct within a position)."""
+    same_B_T_k_k = teacher_ids_B_T_k[..., :, None] == student_ids_B_T_k[..., None, :]
+    return same_B_T_k_k.any(-1).float().sum(-1) / teacher_ids_B_T_k.shape[-1]
+
+
+# ----------------------------------------------------------------------------- sampled-token losses
+
+
+def _sampled_inputs(logp_B_T, other_B_T, mask_B_T, n_tokens):
+    """Shape checks, fp32, detach the ``other`` inputs and set their padding to the student's logp."""
+    assert logp_B_T.dim() == 2, f"logp_B_T must be B x T, got {tuple(logp_B_T.shape)}"
+    for name, x in other_B_T.items():
+        assert x.shape == logp_B_T.shape, f"{name} {tuple(x.shape)} vs logp_B_T {tuple(logp_B_T.shape)}"
+    assert mask_B_T.shape == logp_B_T.shape, f"mask_B_T {tuple(mask_B_T.shape)} vs {tuple(logp_B_T.shape)}"
+    mask_B_T = mask_B_T != 0
+    logp_B_T = logp_B_T.float()
+    s_B_T = logp_B_T.detach()
+    others = [torch.where(mask_B_T, x.detach().float(), s_B_T) for x in other_B_T.values()]
+    return logp_B_T, s_B_T, others, mask_B_T, _check_n_tokens(n_tokens)
+
+
+def _ppo_surrogate(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T, n_tokens, clip_eps):
+    """-min(ratio A, clip(ratio, 1-eps, 1+eps) A), ratio = exp(logp - old_logp); token-mean over the step."""
+    assert clip_eps >= 0, f"clip_eps must be >= 0 (loss.clip_eps), got {clip_eps}"
+    ratio_B_T = torch.exp(logp_B_T - old_logp_B_T)
+    unclipped_B_T = ratio_B_T * adv_B_T
+    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_eps, 1.0 + clip_eps) * adv_B_T
+    loss = masked_sum(-torch.minimum(unclipped_B_T, clipped_B_T), mask_B_T) / n_tokens
+    with torch.no_grad():
+        ratio_masked_B_T = torch.where(mask_B_T, ratio_B_T, torch.ones_like(ratio_B_T))
+        metrics = {
+            "advantage_mean": _mean(adv_B_T, mask_B_T),
+            # clipped branch strictly smaller: that token gets no gradient
+            "ratio_clipped_frac": _mean((clipped_B_T < unclipped_B_T).float(), mask_B_T),
+            "ratio_max": ratio_masked_B_T.max() if ratio_masked_B_T.numel() else torch.ones(()),
+            "tokens": mask_B_T.sum().float(),
+        }
+    return loss, metrics
+
+
+def k1_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens, clip_eps):
+    """PPO-clipped policy gradient with per-token advantage A = teacher_logp - logp.detach().
+
+    Shapes: all ``B_T``. ``logp_B_T``: student log-probs of the sampled tokens (with grad);
+    ``old_logp_B_T``: sampling-time log-probs (no grad); ``teacher_logp_B_T``: teacher log-probs
+    of the same tokens. Metrics: ``kl`` (mean logp - teacher_logp, sampled reverse KL),
+    ``advantage_mean``, ``ratio_clipped_frac``, ``ratio_max`` (1.0 if no token), ``tokens``.
+    """
+    logp_B_T, s_B_T, (old_B_T, t_B_T), mask_B_T, n = _sampled_inputs(
+        logp_B_T, {"old_logp_B_T": old_logp_B_T, "teacher_logp_B_T": teacher_logp_B_T}, mask_B_T, n_tokens
+    )
+    adv_B_T = t_B_T - s_B_T
+    loss, metrics = _ppo_surrogate(logp_B_T, old_B_T, adv_B_T, mask_B_T, n, clip_eps)
+    metrics["kl"] = _mean(s_B_T - t_B_T, mask_B_T)
+    return loss, _floats(metrics)
+
+
+def k3_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens, clip_eps):
+    """As ``k1_loss`` with advantage A = -(exp(t - s) - 1 - (t - s)) <= 0, t = teacher, s = logp.detach().
+
+    Metrics: ``kl`` (k1 estimate, mean s - t), ``k3`` (mean k3 estimate of KL(student || teacher)),
+    ``advantage_mean``, ``ratio_clipped_frac``, ``ratio_max``, ``tokens``.
+    """
+    logp_B_T, s_B_T, (old_B_T, t_B_T), mask_B_T, n = _sampled_inputs(
+        logp_B_T, {"old_logp_B_T": old_logp_B_T, "teacher_logp_B_T": teacher_logp_B_T}, mask_B_T, n_tokens
+    )
+    log_r_B_T = t_B_T - s_B_T
+    k3_B_T = torch.expm1(log_r_B_T) - log_r_B_T
+    loss, metrics = _ppo_surrogate(logp_B_T, old_B_T, -k3_B_T, mask_B_T, n, clip_eps)
+    metrics["kl"] = _mean(-log_r_B_T, mask_B_T)
+    metrics["k3"] = _mean(k3_B_T, mask_B_T)
+    return loss, _floats(metrics)
+
+
+def sft_loss(logp_B_T, mask_B_T, n_tokens):
+    """Negative log-likelihood of the given tokens; ``logp_B_T`` (B_T, with grad).
+
+    Metrics: ``nll`` (mean over masked tokens), ``tokens``.
+    """
+    logp_B_T, _, _, mask_B_T, n = _sampled_inputs(logp_B_T, {}, mask_B_T, n_tokens)
+    loss = masked_sum(-logp_B_T, mask_B_T) / n
+    return loss, _floats({"nll": _mean(-logp_B_T, mask_B_T), "tokens": mask_B_T.sum().float()})
+
+
+# ----------------------------------------------------------------------------- full-distribution losses
+
+
+def _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens):
+    """Shape checks, fp32 log-softmax of the student, detached teacher with padding set to the student."""
+    B, T, V = _check_logits(student_logits_B_T_V)
+    t_shape = tuple(teacher_logp_B_T_V.shape)
+    assert t_shape == (B, T, V), f"teacher_logp_B_T_V {t_shape}, want {(B, T, V)}"
+    assert mask_B_T.shape == (B, T), f"mask_B_T {tuple(mask_B_T.shape)} vs {(B, T)}"
+    mask_B_T = mask_B_T != 0
+    student_logp_B_T_V = torch.log_softmax(student_logits_B_T_V.float(), dim=-1)
+    teacher_logp_B_T_V = torch.where(
+        mask_B_T[..., None], teacher_logp_B_T_V.detach().float(), student_logp_B_T_V.detach()
+    )
+    return student_logp_B_T_V, teacher_logp_B_T_V, mask_B_T, _check_n_tokens(n_tokens)
+
+
+def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B_T, n, clip, tau, k):
+    """Sum the per-entry divergence terms per position, clip them, token-mean over the step.
+
+    Metrics (shared by fkl/rkl/jsd): ``kl`` (unclipped reverse KL(p_S || p_T), mean over masked
+    tokens), ``fkl`` (unclipped forward KL), ``clipped_mass`` (entry clip: mean teacher probability
+    mass in clipped entries; 0 for none/token), ``clipped_frac`` (entry: fraction of positions with
+    any clipped entry; token: fraction of positions whose divergence exceeded tau; 0 for none),
+    ``topk_overlap`` (mean |top-k(teacher) ∩ top-k(student)| / k, k = min(k, V)), ``tokens``.
+    """
+    if clip not in CLIPS:
+        raise ValueError(f"clip={clip!r}: expected one of {CLIPS} (params key loss.clip)")
+    if not tau >= 0:
+        raise ValueError(f"tau={tau!r}: expected >= 0 (params key loss.clip_tau)")
+    zero = torch.zeros((), device=terms_B_T_V.device)
+    clip_mass, clip_frac = zero, zero
+    if clip == "none":
+        loss_B_T = terms_B_T_V.sum(-1)
+    elif clip == "entry":
+        clipped_terms_B_T_V, clipped_B_T_V = entry_clip_terms(terms_B_T_V, tau)
+        loss_B_T = clipped_terms_B_T_V.sum(-1)
+        clip_mass = clipped_mass(teacher_logp_B_T_V, clipped_B_T_V, mask_B_T)
+        clip_frac = _mean(clipped_B_T_V.any(-1).float(), mask_B_T)
+    else:  # token: value capped at tau, gradient scaled, direction kept
+        div_B_T = terms_B_T_V.sum(-1)
+        div_d_B_T = div_B_T.detach()
+        over_B_T = div_d_B_T > tau
+        scale_B_T = torch.where(over_B_T, tau / div_d_B_T, torch.ones_like(div_d_B_T))
+        loss_B_T = div_B_T * scale_B_T
+        clip_frac = _mean(over_B_T.float(), mask_B_T)
+    loss = masked_sum(loss_B_T, mask_B_T) / n
+    with torch.no_grad():
+        s_B_T_V, t_B_T_V = student_logp_B_T_V.detach(), teacher_logp_B_T_V
+        k = min(k, s_B_T_V.shape[-1])
+        overlap_B_T = _topk_overlap_B_T(t_B_T_V.topk(k, -1).indices, s_B_T_V.topk(k, -1).indices)
+        metrics = {
+            "kl": _mean(reverse_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
+            "fkl": _mean(forward_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
+            "clipped_mass": clip_mass,
+            "clipped_frac": clip_frac,
+            "topk_overlap": _mean(overlap_B_T, mask_B_T),
+            "tokens": mask_B_T.sum().float(),
+        }
+    return loss, metrics
+
+
+
+
+def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
+    """Forward KL(p_T || p_S) = sum_v p_T (log p_T - log p_S) per position, token-mean over the step.
+
+    ``clip="entry"``: each summand -> min(p_T log(p_T / p_S), tau); ``clip="token"``: the position's
+    KL times min(1, tau / KL).detach(). ``student_logits_B_T_V`` raw logits (with grad),
+    ``teacher_logp_B_T_V`` normalised teacher log-probs, ``mask_B_T`` 1 = completion token.
+    Metrics: ``kl``, ``fkl``, ``clipped_mass``, ``clipped_frac``, ``topk_overlap``, ``tokens``
+    (defined in ``_divergence_loss``).
+    """
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    terms_B_T_V = _fkl_terms(s_B_T_V, t_B_T_V)
+    loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
+    return loss, _floats(metrics)
+
+
+def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
+    """Reverse KL(p_S || p_T) = sum_v p_S (log p_S - log p_T) per position, token-mean over the step.
+
+    ``clip="entry"``: each summand -> min(p_S log(p_S / p_T), tau) (summands can be negative; only
+    the top is capped; ``clipped_mass`` still reports the teacher mass of clipped entries);
+    ``clip="token"``: as in ``fkl_loss``. Shapes and metrics as in ``fkl_loss``.
+    """
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    terms_B_T_V = _rkl_terms(s_B_T_V, t_B_T_V)
+    loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
+    return loss, _floats(metrics)
+
+
+def jsd_loss(
+    student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, beta, clip="none", tau=math.inf, *, k=8
+):
+    """Generalized JSD (GKD, TRL ``generalized_jsd_loss``) per position, token-mean over the step.
+
+    beta=0: exactly KL(p_T || p_S); beta=1: exactly KL(p_S || p_T); otherwise, with
+    m = beta p_T + (1 - beta) p_S (in log space), beta KL(p_T || m) + (1 - beta) KL(p_S || m); the
+    gradient flows through m too. ``clip="entry"`` caps each per-entry summand
+    beta p_T log(p_T/m) + (1-beta) p_S log(p_S/m) at tau; ``clip="token"`` caps the position's JSD.
+    Metrics as in ``fkl_loss`` plus ``jsd`` (unclipped, mean over masked tokens).
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta!r}: expected 0 <= beta <= 1 (params key loss.jsd_beta)")
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    terms_B_T_V = _jsd_terms(s_B_T_V, t_B_T_V, beta)
+    loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
+    metrics["jsd"] = _mean(terms_B_T_V.detach().sum(-1), mask_B_T)
+    return loss, _floats(metrics)
+
+
+def topk_fkl_loss(
+    student_logits_B_T_V, topk_ids_B_T_K, topk_logp_B_T_K, mask_B_T, n_tokens, tail_bucket=True, *, k=8
+):
+    """Forward KL over the teacher's top-K ids, token-mean over the step.
+
+    ``topk_ids_B_T_K``: the teacher's K (distinct) top token ids per position; ``topk_logp_B_T_K``:
+    the teacher's normalised (full-vocabulary) log-probs of those ids. ``tail_bucket=True``: a
+    (K+1)-way KL, the extra bucket holding the teacher's remaining mass 1 - sum_k p_T (taken as 0
+    below the fp32 rounding noise K * eps; the K probs are renormalised if they sum past 1) and the
+    student's exact remaining mass (logsumexp over the other ids, floored at fp32 tiny).
+    ``tail_bucket=False``: both distributions renormalised over the K ids.
+    Metrics: ``fkl_topk`` (the loss's divergence), ``rkl_topk`` (reverse KL of the same K(+1)-way
+    distributions, teacher floored at fp32 tiny; a lower bound of the true reverse KL with the tail
+    bucket; the exact ``kl`` is not available from top-K, so there is no ``kl`` key),
+    ``teacher_topk_mass``, ``student_topk_mass`` (student mass on the teacher's ids),
+    ``topk_overlap`` (the teacher's top-min(k, K) among its ids vs the student's top-min(k, K)),
+    ``tokens``.
+    """
+    B, T, V = _check_logits(student_logits_B_T_V)
+    ids_shape = tuple(topk_ids_B_T_K.shape)
+    assert len(ids_shape) == 3 and ids_shape[:2] == (B, T), f"topk_ids_B_T_K {ids_shape}, want {(B, T)} x K"
+    K = ids_shape[-1]
+    assert 0 < K <= V, f"K={K} must be in 1..V={V}"
+    logp_shape = tuple(topk_logp_B_T_K.shape)
+    assert logp_shape == (B, T, K), f"topk_logp_B_T_K {logp_shape}, want {(B, T, K)}"
+    assert mask_B_T.shape == (B, T), f"mask_B_T {tuple(mask_B_T.shape)} vs {(B, T)}"
+    mask_B_T = mask_B_T != 0
+    n = _check_n_tokens(n_tokens)
+    ids_B_T_K = topk_ids_B_T_K.long()
+    log_tiny = math.log(torch.finfo(torch.float32).tiny)
+
+    logits_B_T_V = student_logits_B_T_V.float()
+    log_z_B_T = torch.logsumexp(logits_B_T_V, dim=-1)
+    s_B_T_K = logits_B_T_V.gather(-1, ids_B_T_K) - log_z_B_T[..., None]
+    raw_t_B_T_K = torch.where(mask_B_T[..., None], topk_logp_B_T_K.detach().float(), s_B_T_K.detach())
+
+    if tail_bucket:
+        t_B_T_K = raw_t_B_T_K - torch.logsumexp(raw_t_B_T_K, -1, keepdim=True).clamp_min(0.0)
+        t_tail_B_T = 1.0 - t_B_T_K.exp().sum(-1)
+        noise = K * torch.finfo(torch.float32).eps  # rounding noise of summing K probabilities
+        t_tail_B_T = torch.where(t_tail_B_T > noise, t_tail_B_T, torch.zeros_like(t_tail_B_T))
+        # student tail: exact log-mass of the ids outside the teacher's top-K
+        in_topk_B_T_V = torch.zeros_like(logits_B_T_V, dtype=torch.bool).scatter_(-1, ids_B_T_K, True)
+        rest_B_T_V = logits_B_T_V.masked_fill(in_topk_B_T_V, torch.finfo(torch.float32).min)
+        s_tail_B_T = (torch.logsumexp(rest_B_T_V, -1) - log_z_B_T).clamp_min(log_tiny)
+        t_B_T_K1 = torch.cat([t_B_T_K, t_tail_B_T.log()[..., None]], -1)  # log 0 = -inf: term is 0
+        s_B_T_K1 = torch.cat([s_B_T_K, s_tail_B_T[..., None]], -1)
+    else:
+        t_B_T_K1 = raw_t_B_T_K - torch.logsumexp(raw_t_B_T_K, -1, keepdim=True)
+        s_B_T_K1 = s_B_T_K - torch.logsumexp(s_B_T_K, -1, keepdim=True)
+
+    div_B_T = _fkl_terms(s_B_T_K1, t_B_T_K1).sum(-1)
+    loss = masked_sum(div_B_T, mask_B_T) / n
+    with torch.no_grad():
+        kk = min(k, K)
+        teacher_top_B_T_k = ids_B_T_K.gather(-1, raw_t_B_T_K.topk(kk, -1).indices)
+        overlap_B_T = _topk_overlap_B_T(teacher_top_B_T_k, logits_B_T_V.detach().topk(kk, -1).indices)
+        metrics = {
+            "fkl_topk": _mean(div_B_T, mask_B_T),
+            # teacher log-probs floored at fp32 tiny, so an empty teacher tail gives a finite value
+            "rkl_topk": _mean(_rkl_terms(s_B_T_K1.detach(), t_B_T_K1.clamp_min(log_tiny)).sum(-1), mask_B_T),
+            "teacher_topk_mass": _mean(raw_t_B_T_K.exp().sum(-1), mask_B_T),
+            "student_topk_mass": _mean(s_B_T_K.detach().exp().sum(-1), mask_B_T),
+            "topk_overlap": _mean(overlap_B_T, mask_B_T),
+            "tokens": mask_B_T.sum().float(),
+        }
+    return loss, _floats(metrics)

@@ -1,0 +1,103 @@
+"""Loading models and tokenizers from local HF directories, with clear errors, and device policy.
+
+Real 1.5B models and the embedded tiny ones take the same path: ``AutoModelForCausalLM`` and
+``AutoTokenizer`` ``from_pretrained`` on a local directory (never a hub download).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from opdkit.config import RuntimeConfig
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class ModelError(ValueError):
+    """A model directory that cannot be used (the message names it and what is missing)."""
+
+
+def check_model_dir(path: str | Path, what: str = "model") -> Path:
+    """Fail early (before any training) if ``path`` is not a usable HF model directory."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelError(f"{what} directory {p} does not exist")
+    if not p.is_dir():
+        raise ModelError(f"{what} path {p} is not a directory (expected an HF model directory)")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"{what} directory {p} has no config.json (expected an HF model directory)")
+    if not any((p / f).is_file() for f in WEIGHT_FILES):
+        raise ModelError(f"{what} directory {p} has no weights (expected one of {', '.join(WEIGHT_FILES)})")
+    for f in ("model.safetensors", "pytorch_model.bin"):
+        if (p / f).is_file() and (p / f).stat().st_size == 0:
+            raise ModelError(f"{what} directory {p}: {f} is empty")
+    return p
+
+
+def pick_device(rt: RuntimeConfig) -> torch.device:
+    if rt.device == "cuda" or (rt.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ModelError("runtime.device=cuda but CUDA is not available; use runtime.device=auto or cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def compute_dtype(rt: RuntimeConfig, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in: bf16 on CUDA (autocast over fp32 master weights), fp32 on CPU."""
+    if rt.dtype == "float32":
+        return torch.float32
+    if rt.dtype == "bfloat16" or device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+def setup_torch(rt: RuntimeConfig) -> None:
+    if rt.threads > 0:
+        torch.set_num_threads(rt.threads)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32, what: str = "model", trainable: bool = False):
+    """``AutoModelForCausalLM.from_pretrained`` on a local directory, moved to ``device``.
+
+    Trainable models are kept in fp32 (master weights; bf16 compute comes from autocast), frozen
+    ones (teacher) in ``dtype``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    p = check_model_dir(path, what)
+    load_dtype = torch.float32 if trainable else dtype
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=load_dtype, device_map=None if device.type == "cpu" else {"": device})
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelError(f"{what} directory {p} could not be loaded: {e}") from None
+    model.to(device)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def check_same_vocab(student_tok, teacher_tok) -> None:
+    """Teacher and student must share token ids; else name the first mismatch."""
+    sv, tv = student_tok.get_vocab(), teacher_tok.get_vocab()
+    if sv == tv:
+        return
+    by_id_s = {i: t for t, i in sv.items()}
+    by_id_t = {i: t for t, i in tv.items()}
+    for i in sorted(set(by_id_s) | set(by_id_t)):
+        if by_id_s.get(i) != by_id_t.get(i):
+            raise ModelError(
+                f"teacher and student tokenizers disagree: token id {i} is {by_id_s.get(i)!r} for the student "
+                f"and {by_id_t.get(i)!r} for the teacher (sizes {len(sv)} vs {len(tv)}); OPD needs one vocabulary"
+            )

@@ -1,0 +1,96 @@
+"""Learning-rate schedules: pure functions of the optimizer step (0-based) or elapsed wall time.
+
+- ``constant``: lr throughout.
+- ``linear``: lr at step 0 down to min_lr at step >= total_steps.
+- ``cosine``: half-cosine from lr at step 0 to min_lr at step >= total_steps.
+- ``wallclock_cosine``: the same half-cosine over the elapsed share of the wall budget.
+
+``lr_at`` dispatches by name and multiplies by the linear warmup factor
+``min(1, (step + 1) / warmup_steps)``; the decay runs from step 0 (it does not wait for warmup).
+"""
+
+from __future__ import annotations
+
+import math
+
+SCHEDULES = ("constant", "linear", "cosine", "wallclock_cosine")
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """``min(1, (step + 1) / warmup_steps)``: 1 / warmup_steps at step 0, 1 from step warmup_steps - 1.
+
+    1 throughout when ``warmup_steps <= 0``.
+    """
+    assert step >= 0, f"step must be >= 0, got {step}"
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / warmup_steps)
+
+
+def _cosine_at(frac: float, lr: float, min_lr: float) -> float:
+    """Half-cosine from lr (frac 0) to min_lr (frac >= 1)."""
+    frac = min(max(frac, 0.0), 1.0)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+def constant(step: int, lr: float) -> float:
+    """``lr`` at every step."""
+    return float(lr)
+
+
+def linear(step: int, total_steps: int, lr: float, min_lr: float) -> float:
+    """Linear from ``lr`` at step 0 to ``min_lr`` at step >= total_steps."""
+    assert total_steps > 0, f"total_steps must be > 0, got {total_steps}"
+    frac = min(max(step / total_steps, 0.0), 1.0)
+    return lr + (min_lr - lr) * frac
+
+
+def cosine(step: int, total_steps: int, lr: float, min_lr: float) -> float:
+    """Half-cosine from ``lr`` at step 0 to ``min_lr`` at step >= total_steps."""
+    assert total_steps > 0, f"total_steps must be > 0, got {total_steps}"
+    return _cosine_at(step / total_steps, lr, min_lr)
+
+
+def wallclock_cosine(elapsed_s: float, budget_s: float, lr: float, min_lr: float) -> float:
+    """Half-cosine from ``lr`` at 0 s to ``min_lr`` at elapsed_s >= budget_s (share of the wall budget)."""
+    assert budget_s > 0, f"budget_s must be > 0, got {budget_s}"
+    return _cosine_at(elapsed_s / budget_s, lr, min_lr)
+
+
+def lr_at(
+    schedule: str,
+    *,
+    step: int,
+    total_steps: int,
+    elapsed_s: float,
+    budget_s: float,
+    lr: float,
+    min_lr: float,
+    warmup_steps: int,
+) -> float:
+    """The learning rate at ``step`` / ``elapsed_s`` for the named schedule, times the warmup factor.
+
+    ``total_steps`` is used by linear/cosine, ``elapsed_s``/``budget_s`` by wallclock_cosine; the
+    others are ignored. Raises ValueError on an unknown schedule or a missing horizon.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule={schedule!r}: expected one of {SCHEDULES}")
+    if schedule in ("linear", "cosine") and total_steps <= 0:
+        raise ValueError(
+            f"optim.schedule={schedule!r} needs a step horizon but total_steps={total_steps}: "
+            "set budget.max_steps or budget.schedule_steps"
+        )
+    if schedule == "wallclock_cosine" and budget_s <= 0:
+        raise ValueError(
+            f"optim.schedule='wallclock_cosine' needs a wall budget but budget_s={budget_s}: "
+            "set budget.max_wall_time_s > 0"
+        )
+    if schedule == "constant":
+        base = constant(step, lr)
+    elif schedule == "linear":
+        base = linear(step, total_steps, lr, min_lr)
+    elif schedule == "cosine":
+        base = cosine(step, total_steps, lr, min_lr)
+    else:
+        base = wallclock_cosine(elapsed_s, budget_s, lr, min_lr)
+    return base * warmup_factor(step, warmup_steps)

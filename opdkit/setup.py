@@ -1,0 +1,191 @@
+"""Everything a run needs before its first step, checked before anything is written.
+
+``prepare_inputs`` validates paths, data and params (so a bad input fails with one clear line and
+leaves the output directory untouched); ``build_run`` loads models, wraps LoRA, makes the
+optimizer and the teacher source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from opdkit import paths
+from opdkit.config import Config
+from opdkit.data import Example, encode_prompt, fingerprint, load_examples
+from opdkit.models import (check_model_dir, check_same_vocab, compute_dtype, load_model, load_tokenizer,
+                           pick_device, setup_torch)
+
+
+class RunError(ValueError):
+    """A run that cannot start (bad params combination); the message says what to change."""
+
+
+@dataclass
+class Inputs:
+    student_path: Path
+    teacher_path: Path | None
+    train_path: Path
+    examples: list[Example]
+    data_fingerprint: str
+
+
+def check_params(cfg: Config) -> None:
+    b, o = cfg.budget, cfg.optim
+    if b.max_steps <= 0 and b.max_wall_time_s <= 0:
+        raise RunError("no budget: set budget.max_steps > 0 or budget.max_wall_time_s > 0")
+    if o.schedule in ("linear", "cosine") and (b.schedule_steps or b.max_steps) <= 0:
+        raise RunError(f"optim.schedule={o.schedule} needs a step horizon: set budget.max_steps or budget.schedule_steps "
+                       "(or use optim.schedule=wallclock_cosine)")
+    if o.schedule == "wallclock_cosine" and b.max_wall_time_s <= 0:
+        raise RunError("optim.schedule=wallclock_cosine needs budget.max_wall_time_s > 0")
+    if b.max_wall_time_s > 0 and b.deadline_reserve_s >= b.max_wall_time_s:
+        raise RunError(f"budget.deadline_reserve_s ({b.deadline_reserve_s}) must be below budget.max_wall_time_s ({b.max_wall_time_s})")
+    if cfg.rollout.prompts_per_step <= 0 or cfg.rollout.samples_per_prompt <= 0:
+        raise RunError("rollout.prompts_per_step and rollout.samples_per_prompt must be positive")
+    if cfg.publish.keep < 1:
+        raise RunError("publish.keep must be at least 1")
+    if cfg.teacher.source != "model" and cfg.loss.name == "sft":
+        raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
+
+
+def prepare_inputs(cfg: Config) -> Inputs:
+    """Validate every input without touching the output directory."""
+    check_params(cfg)
+    student = check_model_dir(paths.student_path(cfg), "student model")
+    teacher = check_model_dir(paths.teacher_path(cfg), "teacher model") if cfg.teacher.source == "model" else None
+    train = paths.train_data_path(cfg)
+    need_solution = cfg.teacher.source != "model" or (cfg.loss.name == "sft" and cfg.loss.sft_source == "reference")
+    examples = load_examples(train, cfg.data, require_solution=need_solution)
+    return Inputs(student, teacher, train, examples, fingerprint(examples))
+
+
+def code_revision() -> str:
+    """git revision of the opdkit source (with '+dirty'), else a hash of its files."""
+    root = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "."], capture_output=True,
+                                   text=True, timeout=10).stdout.strip()
+            return rev.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.read_bytes())
+    return "src-" + h.hexdigest()[:16]
+
+
+@dataclass
+class Run:
+    cfg: Config
+    inputs: Inputs
+    device: torch.device
+    dtype: torch.dtype
+    student: torch.nn.Module
+    tokenizer: object
+    teacher: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    teacher_ctx: object = contextlib.nullcontext  # context manager the teacher runs under
+    ema: torch.nn.Module | None = None
+    extras: dict = field(default_factory=dict)
+
+    def autocast(self):
+        if self.device.type == "cuda" and self.dtype == torch.bfloat16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def prompts(self, examples: list[Example], privileged: bool = False) -> list[list[int]]:
+        return [encode_prompt(ex, self.tokenizer, self.cfg.data, privileged=privileged) for ex in examples]
+
+
+def _wrap_lora(cfg: Config, model):
+    from peft import LoraConfig, get_peft_model
+
+    lc = cfg.lora
+    return get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                            target_modules=list(lc.target_modules), task_type="CAUSAL_LM"))
+
+
+def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
+    setup_torch(cfg.runtime)
+    torch.manual_seed(cfg.seed)
+    device = pick_device(cfg.runtime)
+    dtype = compute_dtype(cfg.runtime, device)
+    tok = load_tokenizer(inputs.student_path)
+    student = load_model(inputs.student_path, device, dtype, "student model", trainable=True)
+    if cfg.runtime.grad_checkpointing:
+        student.gradient_checkpointing_enable()
+        student.config.use_cache = False
+    if cfg.lora.enabled:
+        student = _wrap_lora(cfg, student)
+    student.train()
+
+    src, ema, ctx = cfg.teacher.source, None, contextlib.nullcontext
+    if src == "model":
+        check_same_vocab(tok, load_tokenizer(inputs.teacher_path))
+        teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
+    elif src == "privileged_fixed" and cfg.lora.enabled:
+        teacher, ctx = student, student.disable_adapter  # the frozen base is the initial student
+    elif src in ("privileged_fixed", "privileged_ema"):
+        teacher = copy.deepcopy(student).eval().requires_grad_(False)
+        ema = teacher if src == "privileged_ema" else None
+    else:  # privileged_live: the student itself under no_grad (adapter disabled with LoRA)
+        teacher = student
+        ctx = student.disable_adapter if cfg.lora.enabled else contextlib.nullcontext
+
+    params = [p for p in student.parameters() if p.requires_grad]
+    o = cfg.optim
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+                            fused=device.type == "cuda")
+    n_train = sum(p.numel() for p in params)
+    log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "
+        f"teacher {inputs.teacher_path or src}")
+    return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema)
+
+
+@torch.no_grad()
+def update_ema(ema: torch.nn.Module, student: torch.nn.Module, decay: float) -> None:
+    for pe, ps in zip(ema.parameters(), student.parameters()):
+        pe.mul_(decay).add_(ps.detach(), alpha=1 - decay)
+
+
+def export_state_dict(student) -> dict[str, torch.Tensor]:
+    """A CPU copy of the plain (LoRA-merged) model weights, named as the base model's."""
+    if not hasattr(student, "merge_adapter"):
+        return {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
+    student.merge_adapter()
+    try:
+        out = {}
+        for k, v in student.get_base_model().state_dict().items():
+            if "lora_" in k:
+                continue
+            out[k.replace(".base_layer.", ".")] = v.detach().to("cpu", copy=True)
+        return out
+    finally:
+        student.unmerge_adapter()
+
+
+def trainable_state(student) -> dict[str, torch.Tensor]:
+    """What resume needs of the student: adapter weights with LoRA, else all weights."""
+    if hasattr(student, "merge_adapter"):
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(student).items()}
+    return {k: v.detach().cpu() for k, v in student.state_dict().items()}
+
+
+def load_trainable_state(student, state: dict) -> None:
+    if hasattr(student, "merge_adapter"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(student, state)
+    else:
+        student.load_state_dict(state)

@@ -1,0 +1,231 @@
+"""Statistics for evals and runs: clustered accuracy, seed repeats, arm comparisons, binning.
+
+Pure functions over plain lists / numpy arrays. Axis names follow STYLE.md: ``P`` questions
+(prompts), ``G`` samples per question (may differ per question: ``G_p``), ``R`` runs (seeds).
+
+Error bars follow Miller 2024, "Adding Error Bars to Evals" (arXiv 2411.00640): the unit of
+independence is the question, not the sample. Accuracy is the question-weighted mean of
+per-question means ``s_p``; since the ``s_p`` are i.i.d. draws (question from the benchmark
+distribution, then ``G_p`` samples for it), its standard error is
+
+    SE = sd(s_p, ddof=1) / sqrt(P) = sqrt( sum_p (s_p - mean(s))^2 / (P * (P - 1)) ),
+
+which counts both between-question spread and the within-question sampling noise left in each
+``s_p``. With equal ``G_p`` it equals Miller's cluster-robust SE of the pooled mean (up to the
+``P/(P-1)`` small-sample factor). Samples of one question are correlated, so the naive
+``sqrt(p(1-p)/N)`` over all ``N`` samples understates the SE whenever questions differ in
+difficulty.
+
+p-values use scipy's Student t distribution when scipy is importable, else the normal
+approximation ``erfc(|t| / sqrt(2))`` (slightly too small for few runs); results say which
+(``p_method``: ``"t"`` or ``"normal"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+
+import numpy as np
+
+CorrectTable = Sequence[Sequence[float]] | Mapping[Hashable, Sequence[float]]
+
+
+def _two_sided_p(t: float, df: float) -> tuple[float, str]:
+    """Two-sided p-value of statistic ``t`` with ``df`` degrees of freedom, and the method."""
+    if not math.isfinite(t) or not df > 0:
+        return float("nan"), "none"
+    try:
+        from scipy.stats import t as student_t  # optional dependency
+    except ImportError:
+        return math.erfc(abs(t) / math.sqrt(2.0)), "normal"
+    return float(2.0 * student_t.sf(abs(t), df)), "t"
+
+
+def _ratio(diff: float, se: float) -> float:
+    """diff / se, with NaN for 0/0 and signed inf for x/0."""
+    if se > 0:
+        return diff / se
+    return float("nan") if diff == 0 else math.copysign(math.inf, diff)
+
+
+def per_question_means(correct: CorrectTable) -> tuple[list, np.ndarray]:
+    """Question ids and per-question mean correctness.
+
+    ``correct``: P questions, each a non-empty list of G_p scores in [0, 1] (0/1 correctness);
+    a list (ids are 0..P-1) or a dict ``{qid: scores}``. Returns ``(qids, s_P)``.
+    """
+    items = list(correct.items()) if isinstance(correct, Mapping) else list(enumerate(correct))
+    if not items:
+        raise ValueError("no questions: pass one list of sample scores per question")
+    qids, means = [], []
+    for qid, scores in items:
+        x_G = np.asarray(scores, dtype=float)
+        if x_G.ndim != 1 or x_G.size == 0:
+            raise ValueError(f"question {qid!r}: expected a non-empty 1-D list of scores, "
+                             f"got shape {x_G.shape}")
+        if np.any((x_G < 0) | (x_G > 1)) or np.any(np.isnan(x_G)):
+            raise ValueError(f"question {qid!r}: scores must lie in [0, 1], got {scores!r}")
+        qids.append(qid)
+        means.append(x_G.mean())
+    return qids, np.asarray(means)
+
+
+def clustered_accuracy(correct: CorrectTable) -> dict:
+    """Question-weighted accuracy with a question-clustered standard error.
+
+    ``correct``: P questions x G_p samples (ragged list of lists, or ``{qid: list}``), 0/1 each.
+
+    Returns ``accuracy`` = mean_p s_p (s_p = mean of question p's samples); ``stderr`` =
+    sd(s_P, ddof=1) / sqrt(P) (NaN when P = 1); ``accuracy_pooled`` = sum of all scores / N and
+    ``stderr_naive`` = sqrt(q (1 - q) / N) with q = accuracy_pooled, i.e. all N samples treated as
+    independent (for comparison only); ``n_questions`` = P, ``n_samples`` = N = sum_p G_p,
+    ``samples_per_question`` = N / P.
+    """
+    items = correct.values() if isinstance(correct, Mapping) else correct
+    _, s_P = per_question_means(correct)
+    n_P = np.asarray([len(x) for x in items], dtype=float)
+    P, N = len(s_P), int(n_P.sum())
+    pooled = float((s_P * n_P).sum() / N)
+    return {
+        "accuracy": float(s_P.mean()),
+        "stderr": float(s_P.std(ddof=1) / math.sqrt(P)) if P > 1 else float("nan"),
+        "accuracy_pooled": pooled,
+        "stderr_naive": math.sqrt(pooled * (1.0 - pooled) / N),
+        "n_questions": P,
+        "n_samples": N,
+        "samples_per_question": N / P,
+    }
+
+
+def repeat_stats(values: Sequence[float]) -> dict:
+    """Summary of R repeated measurements (e.g. one accuracy per seed).
+
+    ``values``: R floats. Returns ``mean``, ``sd`` (ddof=1), ``se`` = sd / sqrt(R), ``n`` = R,
+    ``min``, ``max``. ``sd`` and ``se`` are NaN when R = 1.
+    """
+    x_R = np.asarray(values, dtype=float)
+    if x_R.ndim != 1 or x_R.size == 0:
+        raise ValueError(f"repeat_stats: expected a non-empty 1-D list, got shape {x_R.shape}")
+    R = x_R.size
+    sd = float(x_R.std(ddof=1)) if R > 1 else float("nan")
+    return {"mean": float(x_R.mean()), "sd": sd, "se": sd / math.sqrt(R), "n": R,
+            "min": float(x_R.min()), "max": float(x_R.max())}
+
+
+def compare_arms(arm: Sequence[float], baseline: Sequence[float]) -> dict:
+    """Unpaired comparison of two sets of repeats (e.g. per-seed accuracies of two arms).
+
+    ``arm``: R_a floats, ``baseline``: R_b floats, R_a, R_b >= 2. Returns ``diff`` =
+    mean(arm) - mean(baseline); ``se`` = sqrt(se_a^2 + se_b^2) with se = sd(ddof=1)/sqrt(R)
+    (Welch); ``diff_in_se`` = diff / se; ``df`` = Welch-Satterthwaite degrees of freedom
+    ``se^4 / (se_a^4/(R_a-1) + se_b^4/(R_b-1))``; ``p_value`` two-sided Welch t-test (normal
+    approximation without scipy, see ``p_method``); and both arms' ``repeat_stats``.
+    When both arms have zero spread, ``se`` = 0 and ``df``/``p_value`` are NaN.
+    """
+    a, b = repeat_stats(arm), repeat_stats(baseline)
+    if a["n"] < 2 or b["n"] < 2:
+        raise ValueError(f"compare_arms needs >= 2 repeats per arm, got {a['n']} and {b['n']}")
+    diff = a["mean"] - b["mean"]
+    var_a, var_b = a["se"] ** 2, b["se"] ** 2
+    se = math.sqrt(var_a + var_b)
+    denom = var_a**2 / (a["n"] - 1) + var_b**2 / (b["n"] - 1)
+    df = (var_a + var_b) ** 2 / denom if denom > 0 else float("nan")
+    t = _ratio(diff, se)
+    p, method = _two_sided_p(t, df)
+    return {"diff": diff, "se": se, "diff_in_se": t, "df": df, "p_value": p,
+            "p_method": method, "arm": a, "baseline": b}
+
+
+def paired_question_diff(correct_a: CorrectTable, correct_b: CorrectTable) -> dict:
+    """Difference of two evals on the same P questions, with a paired question-clustered SE.
+
+    ``correct_a``, ``correct_b``: tables as in ``clustered_accuracy`` over the same questions
+    (lists: same order and length; dicts: same keys); sample counts may differ. With
+    d_p = s_p^a - s_p^b: ``diff`` = mean(d_P) (= accuracy_a - accuracy_b), ``se`` =
+    sd(d_P, ddof=1) / sqrt(P), ``diff_in_se``, ``p_value`` (paired t-test, df = P - 1),
+    ``p_method``, ``n_questions``, and ``se_unpaired`` = sqrt(SE_a^2 + SE_b^2) for reference:
+    pairing removes the shared question difficulty, so usually se < se_unpaired.
+    """
+    qids_a, s_a = per_question_means(correct_a)
+    qids_b, s_b = per_question_means(correct_b)
+    if isinstance(correct_a, Mapping) != isinstance(correct_b, Mapping):
+        raise ValueError("paired_question_diff: pass two dicts or two lists, not one of each")
+    if isinstance(correct_a, Mapping):
+        if set(qids_a) != set(qids_b):
+            only_a, only_b = set(qids_a) - set(qids_b), set(qids_b) - set(qids_a)
+            raise ValueError(f"paired_question_diff: question ids differ; only in a: "
+                             f"{sorted(map(repr, only_a))[:5]}, only in b: "
+                             f"{sorted(map(repr, only_b))[:5]}")
+        index_b = {q: i for i, q in enumerate(qids_b)}
+        s_b = s_b[[index_b[q] for q in qids_a]]  # reorder b to a's question order
+    elif len(s_a) != len(s_b):
+        raise ValueError(f"paired_question_diff: {len(s_a)} questions in a, {len(s_b)} in b")
+    P = len(s_a)
+    d_P = s_a - s_b
+    diff = float(d_P.mean())
+    se = float(d_P.std(ddof=1) / math.sqrt(P)) if P > 1 else float("nan")
+    se_a = s_a.std(ddof=1) / math.sqrt(P) if P > 1 else float("nan")
+    se_b = s_b.std(ddof=1) / math.sqrt(P) if P > 1 else float("nan")
+    t = _ratio(diff, se)
+    p, method = _two_sided_p(t, P - 1)
+    return {"diff": diff, "se": se, "diff_in_se": t, "p_value": p, "p_method": method,
+            "n_questions": P, "se_unpaired": float(math.sqrt(se_a**2 + se_b**2))}
+
+
+def kl_bin_means(values: Sequence[float], keys: Sequence[float],
+                 edges: Sequence[float]) -> list[dict]:
+    """Mean of ``values`` within bins of ``keys`` (e.g. per-token KL binned by position).
+
+    ``values``, ``keys``: N floats each (arrays are flattened, so ``kl_B_T`` with ``pos_B_T``
+    works); ``edges``: E + 1 strictly increasing bin edges. Bin e holds keys in
+    [edges[e], edges[e+1]), the last bin also includes its right edge (numpy.histogram's rule);
+    keys outside [edges[0], edges[-1]] are dropped. Non-finite values are dropped (mask padding
+    with NaN). Returns E dicts ``{"lo", "hi", "mean", "count"}``, mean NaN when count is 0.
+    """
+    v_N = np.asarray(values, dtype=float).reshape(-1)  # flatten any leading axes to N
+    k_N = np.asarray(keys, dtype=float).reshape(-1)
+    e_E1 = np.asarray(edges, dtype=float)
+    if v_N.shape != k_N.shape:
+        raise ValueError(f"kl_bin_means: {v_N.size} values but {k_N.size} keys")
+    if e_E1.ndim != 1 or e_E1.size < 2 or np.any(np.diff(e_E1) <= 0):
+        raise ValueError(f"kl_bin_means: edges must be >= 2 strictly increasing numbers, "
+                         f"got {list(edges)!r}")
+    E = e_E1.size - 1
+    keep_N = np.isfinite(v_N) & (k_N >= e_E1[0]) & (k_N <= e_E1[-1])
+    v_N, k_N = v_N[keep_N], k_N[keep_N]
+    bin_N = np.clip(np.searchsorted(e_E1, k_N, side="right") - 1, 0, E - 1)
+    count_E = np.bincount(bin_N, minlength=E)
+    sum_E = np.bincount(bin_N, weights=v_N, minlength=E)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_E = np.where(count_E > 0, sum_E / np.maximum(count_E, 1), np.nan)
+    return [{"lo": float(e_E1[e]), "hi": float(e_E1[e + 1]), "mean": float(mean_E[e]),
+             "count": int(count_E[e])} for e in range(E)]
+
+
+def summarize_runs(records: Sequence[Mapping], group_key: str = "arm",
+                   value_key: str = "accuracy") -> dict:
+    """Group eval records by ``group_key`` and summarize ``value_key`` across seeds.
+
+    ``records``: R dicts, each with at least ``group_key``, ``"seed"``, ``value_key`` and
+    ``"stderr"`` (the within-eval SE of that run). A (group, seed) pair may appear once.
+    Returns ``{group: repeat_stats(values) | {"seeds": [...], "mean_stderr": mean within-eval
+    SE}}`` in first-seen group order. Compare ``sd`` (spread across seeds: training noise plus
+    eval noise) with ``mean_stderr`` (eval noise alone) to see which dominates.
+    """
+    groups: dict = {}
+    for i, rec in enumerate(records):
+        missing = [k for k in (group_key, "seed", value_key, "stderr") if k not in rec]
+        if missing:
+            raise ValueError(f"summarize_runs: record {i} lacks keys {missing}; "
+                             f"it has {sorted(rec)}")
+        g = groups.setdefault(rec[group_key], {"seeds": [], "values": [], "stderrs": []})
+        if rec["seed"] in g["seeds"]:
+            raise ValueError(f"summarize_runs: record {i} repeats {group_key}="
+                             f"{rec[group_key]!r} seed={rec['seed']!r}; drop the duplicate")
+        g["seeds"].append(rec["seed"])
+        g["values"].append(float(rec[value_key]))
+        g["stderrs"].append(float(rec["stderr"]))
+    return {name: {**repeat_stats(g["values"]), "seeds": g["seeds"],
+                   "mean_stderr": float(np.mean(g["stderrs"]))}
+            for name, g in groups.items()}

@@ -1,0 +1,136 @@
+"""Scoring sampled completions: geometry, hidden states, chunked log-probs, alignment check.
+
+Geometry: a scored sequence is ``[left pads][prompt][completion][right pads]``. Position ids come
+from the attention mask (``cumsum - 1``), so positions run contiguously from each sequence's
+first real token, for the student and the teacher alike: exactly the positions the student had
+while sampling with ``generate``. Logits at column ``c`` predict the token at ``c + 1``, so the
+completion's T tokens are predicted by columns ``Sp-1 .. Sp+T-2``.
+
+Log-probs over a large vocabulary are computed from final hidden states in chunks of positions,
+under activation checkpointing when gradients are needed, so (B, T, V) fp32 logits never exist
+at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class Geometry:
+    input_ids_B_S: torch.Tensor
+    attention_mask_B_S: torch.Tensor
+    position_ids_B_S: torch.Tensor
+    prompt_width: int  # Sp: completion token t sits at column Sp + t
+    completion_len: int  # T
+
+
+def build_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, completion_mask_B_T) -> Geometry:
+    """Concatenate left-padded prompts and right-padded completions; positions from the mask."""
+    input_ids_B_S = torch.cat([prompt_ids_B_Sp, completion_ids_B_T], dim=1)
+    attention_mask_B_S = torch.cat([prompt_mask_B_Sp.long(), completion_mask_B_T.long()], dim=1)
+    # Positions: 0 at the first real token, +1 per real token; pads get 0 (they are masked out).
+    position_ids_B_S = (attention_mask_B_S.cumsum(dim=1) - 1).clamp_min(0)
+    return Geometry(input_ids_B_S, attention_mask_B_S, position_ids_B_S,
+                    prompt_ids_B_Sp.shape[1], completion_ids_B_T.shape[1])
+
+
+def unwrap(model):
+    """(decoder, lm_head) of a causal LM, through a peft wrapper if there is one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model, base.lm_head
+
+
+def completion_hidden(model, g: Geometry) -> torch.Tensor:
+    """Final hidden states at the columns that predict the completion tokens: (B, T, H)."""
+    decoder, _ = unwrap(model)
+    out = decoder(input_ids=g.input_ids_B_S, attention_mask=g.attention_mask_B_S,
+                  position_ids=g.position_ids_B_S, use_cache=False)
+    h_B_S_H = out.last_hidden_state
+    return h_B_S_H[:, g.prompt_width - 1: g.prompt_width - 1 + g.completion_len]
+
+
+def _chunk_token_logp(head, h_B_C_H, ids_B_C):
+    logits_B_C_V = head(h_B_C_H).float()
+    return logits_B_C_V.log_softmax(dim=-1).gather(-1, ids_B_C[..., None])[..., 0]
+
+
+def token_logprobs(head, h_B_T_H: torch.Tensor, ids_B_T: torch.Tensor, chunk: int) -> torch.Tensor:
+    """log p(ids) under ``head(h)``, chunked over positions: (B, T) fp32."""
+    parts = []
+    for s in range(0, h_B_T_H.shape[1], chunk):
+        h, ids = h_B_T_H[:, s:s + chunk], ids_B_T[:, s:s + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(_chunk_token_logp, head, h, ids, use_reentrant=False))
+        else:
+            parts.append(_chunk_token_logp(head, h, ids))
+    return torch.cat(parts, dim=1) if parts else h_B_T_H.new_zeros(ids_B_T.shape, dtype=torch.float)
+
+
+def full_logprobs(head, h_B_T_H: torch.Tensor, chunk: int) -> torch.Tensor:
+    """All-vocabulary log-probs (B, T, V) fp32, built chunk by chunk (no grad: teacher side)."""
+    return torch.cat([head(h_B_T_H[:, s:s + chunk]).float().log_softmax(-1)
+                      for s in range(0, h_B_T_H.shape[1], chunk)], dim=1)
+
+
+def topk_logprobs(head, h_B_T_H: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher's top-k ids and log-probs per position: (B, T, K) each."""
+    ids, vals = [], []
+    for s in range(0, h_B_T_H.shape[1], chunk):
+        logp_B_C_V = head(h_B_T_H[:, s:s + chunk]).float().log_softmax(-1)
+        v, i = logp_B_C_V.topk(k, dim=-1)
+        ids.append(i)
+        vals.append(v)
+    return torch.cat(ids, dim=1), torch.cat(vals, dim=1)
+
+
+@dataclass
+class TeacherScores:
+    """What the teacher returns for one batch (fields per ``teacher.mode``)."""
+
+    logp_B_T: torch.Tensor  # teacher log p of each sampled token (every mode)
+    topk_ids_B_T_K: torch.Tensor | None = None
+    topk_logp_B_T_K: torch.Tensor | None = None
+    hidden_B_T_H: torch.Tensor | None = None  # full mode: logits are made chunk by chunk in the loss
+
+
+@torch.no_grad()
+def score(model, g: Geometry, completion_ids_B_T: torch.Tensor, mode: str, k: int, chunk: int) -> TeacherScores:
+    """Teacher scores of the sampled completion under geometry ``g``."""
+    _, head = unwrap(model)
+    h_B_T_H = completion_hidden(model, g)
+    out = TeacherScores(logp_B_T=token_logprobs(head, h_B_T_H, completion_ids_B_T, chunk))
+    if mode == "topk":
+        out.topk_ids_B_T_K, out.topk_logp_B_T_K = topk_logprobs(head, h_B_T_H, k, chunk)
+    elif mode == "full":
+        out.hidden_B_T_H = h_B_T_H
+    return out
+
+
+class AlignmentError(AssertionError):
+    """Teacher/student scoring would not see the tokens where the student sampled them."""
+
+
+def check_alignment(g: Geometry, completion_ids_B_T, completion_mask_B_T, prompt_mask_B_Sp) -> dict:
+    """Assert the scored span is exactly the sampled completion, right after the prompt.
+
+    Checks per row: the scored columns hold the sampled tokens; the last prompt column is a real
+    token (no pad between prompt and completion); completion positions continue the prompt's
+    (first completion position == number of real prompt tokens, +1 per token). Returns counts.
+    """
+    Sp, T = g.prompt_width, g.completion_len
+    m = completion_mask_B_T.bool()
+    if not torch.equal(g.input_ids_B_S[:, Sp:Sp + T][m], completion_ids_B_T[m]):
+        raise AlignmentError("scored tokens differ from the sampled completion tokens")
+    if not bool(prompt_mask_B_Sp[:, -1].bool().all()):
+        bad = int((~prompt_mask_B_Sp[:, -1].bool()).nonzero()[0])
+        raise AlignmentError(f"row {bad}: a pad sits between the prompt and the completion (prompts must be left-padded)")
+    n_prompt_B = prompt_mask_B_Sp.long().sum(dim=1)
+    expected_B_T = n_prompt_B[:, None] + torch.arange(T, device=n_prompt_B.device)[None, :]
+    got_B_T = g.position_ids_B_S[:, Sp:Sp + T]
+    if not torch.equal(got_B_T[m], expected_B_T[m]):
+        raise AlignmentError("completion position ids are not contiguous with the prompt's")
+    return {"alignment_rows": int(m.shape[0]), "alignment_tokens": int(m.sum())}

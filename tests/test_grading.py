@@ -1,0 +1,128 @@
+"""Tests for opdkit.grading: box extraction, normalization, equivalence, batch grading."""
+
+import threading
+
+import pytest
+
+from opdkit.grading import (extract_boxed, grade_answer, grade_completion, grade_many,
+                            normalize_answer)
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{5}.", "5"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"\boxed{\frac{\sqrt{3}}{2}} done", r"\frac{\sqrt{3}}{2}"),
+    (r"first \boxed{3}, then \boxed{4}", "4"),  # several boxes: the last one
+    (r"\fbox{7}", "7"),
+    (r"\boxed{1} then \fbox{2}", "2"),
+    (r"$\boxed 5$", "5"),  # space form stops at $
+    (r"answer: \boxed 42", "42"),  # space form stops at end
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),  # escaped braces do not count
+    (r"\boxed{ 12 }", "12"),
+    ("no box here", None),
+    (r"\boxed{\frac{1}{2}", None),  # unbalanced (truncated generation)
+    (r"\boxed{1} and later \boxed{2", None),  # last box unbalanced -> None, not the earlier one
+    (r"\boxed", None),
+    (r"\boxedfoo{3}", None),  # another command, not a box
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (" $1,000$ ", "1000"),
+    ("10.0", "10"),
+    ("2.50", "2.5"),
+    ("+7", "7"),
+    ("-0.0", "0"),
+    (r"\text{Monday}.", "Monday"),
+    (r"\left( 1, 2 \right)", "(1,2)"),
+    (r"1\!000", "1000"),
+    (r"\dfrac{1}{2}", r"\frac{1}{2}"),
+    ("1,2", "1,2"),  # a list, not a thousands separator
+    (r"\leftarrow", r"\leftarrow"),
+])
+def test_normalize_answer(raw, expected):
+    assert normalize_answer(raw) == expected
+
+
+@pytest.mark.parametrize("pred, gold", [
+    ("1/2", r"\frac{1}{2}"),
+    (r"\frac{1}{2}", "1/2"),
+    ("0.5", r"\frac{1}{2}"),
+    (r"\frac{1}{2}", "0.5"),
+    ("10.0", "10"),
+    ("10", "10.0"),
+    ("1,000", "1000"),
+    ("1000", "1,000"),
+    ("-23", "-23"),
+    (r"\sqrt{12}", r"2\sqrt{3}"),
+    ("5", "x=5"),  # gold-side assignment is simplified (why gold goes first)
+])
+def test_equivalent(pred, gold):
+    assert grade_answer(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", [
+    ("3", "4"),
+    ("2", "1/2"),
+    ("1/2", "2"),
+    ("23", "-23"),
+    ("-23", "23"),
+    ("", "5"),
+])
+def test_not_equivalent(pred, gold):
+    assert not grade_answer(pred, gold)
+
+
+def test_none_is_wrong():
+    assert grade_answer(None, "5") is False
+    assert grade_completion("I think it is 5.", "5") == {"pred": None, "correct": False,
+                                                         "has_box": False}
+
+
+def test_grade_completion():
+    out = grade_completion(r"So $x = \boxed{\dfrac{1}{2}}$.", "0.5")
+    assert out == {"pred": r"\dfrac{1}{2}", "correct": True, "has_box": True}
+
+
+def test_garbage_is_wrong_not_an_error():
+    assert not grade_answer(r"\frac{{}}{", "5")
+    assert not grade_answer("}}}{{{\\", r"\frac{1}{2}")
+
+
+def test_refuses_non_main_thread():
+    errors = []
+
+    def run():
+        try:
+            grade_answer("1/2", "0.5")
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "main thread" in str(errors[0])
+
+
+COMPLETIONS = [r"\boxed{1/2}", r"\boxed{0.5}", r"\boxed{1/2}", "no box", r"\boxed{3}",
+               r"\boxed{-23}", r"\boxed{23}", r"\boxed{1,000}", r"\boxed{1/2"]
+GOLDS = [r"\frac{1}{2}", r"\frac{1}{2}", r"\frac{1}{2}", "4", "4", "-23", "-23", "1000", "1/2"]
+EXPECTED = [True, True, True, False, False, True, False, True, False]
+
+
+def test_grade_many_sequential():
+    out = grade_many(COMPLETIONS, GOLDS)
+    assert [r["correct"] for r in out] == EXPECTED
+    assert [r["has_box"] for r in out] == [c not in ("no box", r"\boxed{1/2") for c in COMPLETIONS]
+    assert out == [grade_completion(c, g) for c, g in zip(COMPLETIONS, GOLDS)]
+
+
+def test_grade_many_processes_match_sequential():
+    assert grade_many(COMPLETIONS, GOLDS, processes=2) == grade_many(COMPLETIONS, GOLDS)
+
+
+def test_grade_many_length_mismatch():
+    with pytest.raises(ValueError, match="one gold answer per completion"):
+        grade_many(["a", "b"], ["a"])

@@ -1,0 +1,170 @@
+"""Tests for opdkit.stats against hand computations on small tables."""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from opdkit.stats import (clustered_accuracy, compare_arms, kl_bin_means, paired_question_diff,
+                          repeat_stats, summarize_runs)
+
+
+def test_clustered_accuracy_equal_sizes():
+    out = clustered_accuracy([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    # s = (0.5, 1, 0); sd(ddof=1) = sqrt(((0)^2 + 0.5^2 + 0.5^2) / 2) = 0.5; SE = 0.5 / sqrt(3)
+    assert out["accuracy"] == pytest.approx(0.5)
+    assert out["stderr"] == pytest.approx(0.28867513459481287)
+    # naive: p = 6/12, sqrt(0.25 / 12)
+    assert out["accuracy_pooled"] == pytest.approx(0.5)
+    assert out["stderr_naive"] == pytest.approx(0.14433756729740643)
+    assert (out["n_questions"], out["n_samples"], out["samples_per_question"]) == (3, 12, 4.0)
+
+
+def test_clustered_accuracy_unequal_sizes_dict():
+    out = clustered_accuracy({"a": [1, 0], "b": [1, 1, 1], "c": [0, 0, 0, 0, 1]})
+    # s = (0.5, 1.0, 0.2): question-weighted mean 1.7/3; deviations (-1/15, 13/30, -11/30),
+    # sum of squares 0.32667, var 0.163333, SE = sqrt(0.163333 / 3) = 0.233333
+    assert out["accuracy"] == pytest.approx(1.7 / 3)
+    assert out["stderr"] == pytest.approx(0.23333333333333334)
+    # pooled: 5 correct of 10 samples (differs from the question-weighted accuracy)
+    assert out["accuracy_pooled"] == pytest.approx(0.5)
+    assert out["stderr_naive"] == pytest.approx(math.sqrt(0.25 / 10))
+    assert (out["n_questions"], out["n_samples"]) == (3, 10)
+    assert out["samples_per_question"] == pytest.approx(10 / 3)
+
+
+def test_clustered_exceeds_naive_when_all_or_nothing():
+    out = clustered_accuracy([[1] * 8, [0] * 8, [1] * 8, [0] * 8])
+    # s = (1, 0, 1, 0): sd = sqrt(1/3), SE = sqrt(1/3) / 2; naive = sqrt(0.25 / 32)
+    assert out["stderr"] == pytest.approx(0.28867513459481287)
+    assert out["stderr_naive"] == pytest.approx(0.08838834764831845)
+    assert out["stderr"] > 3 * out["stderr_naive"]
+
+
+def test_clustered_matches_formula_in_docstring():
+    rng = np.random.default_rng(0)
+    table = [list(rng.integers(0, 2, size=int(rng.integers(1, 6)))) for _ in range(20)]
+    s = np.array([np.mean(x) for x in table])
+    C = len(s)
+    expected = math.sqrt(((s - s.mean()) ** 2).sum() / (C * (C - 1)))
+    assert clustered_accuracy(table)["stderr"] == pytest.approx(expected)
+
+
+def test_clustered_accuracy_bad_input():
+    with pytest.raises(ValueError, match="question 1"):
+        clustered_accuracy([[1], []])
+    with pytest.raises(ValueError, match="'q'.*\\[0, 1\\]"):
+        clustered_accuracy({"q": [2]})
+    with pytest.raises(ValueError, match="no questions"):
+        clustered_accuracy([])
+    assert math.isnan(clustered_accuracy([[1, 0]])["stderr"])
+
+
+def test_repeat_stats():
+    out = repeat_stats([0.5, 0.6, 0.7])
+    assert out["mean"] == pytest.approx(0.6)
+    assert out["sd"] == pytest.approx(0.1)
+    assert out["se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert (out["n"], out["min"], out["max"]) == (3, 0.5, 0.7)
+    assert math.isnan(repeat_stats([0.4])["sd"])
+
+
+def test_compare_arms_by_hand():
+    out = compare_arms([0.6, 0.7, 0.8], [0.5, 0.5, 0.6, 0.6])
+    # arm: mean .7, sd .1, se^2 = .01/3; baseline: mean .55, sd^2 = .01/3, se^2 = .01/12
+    assert out["diff"] == pytest.approx(0.15)
+    assert out["se"] == pytest.approx(math.sqrt(0.01 / 3 + 0.01 / 12))  # 0.0645497
+    assert out["diff_in_se"] == pytest.approx(2.3237900077244493)
+    # Welch df = (1/240)^2 / ((1/300)^2 / 2 + (1/1200)^2 / 3) = 3 exactly
+    assert out["df"] == pytest.approx(3.0)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    ref = scipy_stats.ttest_ind([0.6, 0.7, 0.8], [0.5, 0.5, 0.6, 0.6], equal_var=False)
+    assert out["p_method"] == "t"
+    assert out["p_value"] == pytest.approx(ref.pvalue)
+
+
+def test_compare_arms_normal_fallback(monkeypatch):
+    monkeypatch.setitem(sys.modules, "scipy.stats", None)  # makes the import fail
+    out = compare_arms([0.6, 0.7, 0.8], [0.5, 0.5, 0.6, 0.6])
+    assert out["p_method"] == "normal"
+    assert out["p_value"] == pytest.approx(math.erfc(2.3237900077244493 / math.sqrt(2)))
+
+
+def test_compare_arms_needs_two_repeats():
+    with pytest.raises(ValueError, match=">= 2 repeats"):
+        compare_arms([0.5], [0.4, 0.6])
+
+
+def test_paired_question_diff():
+    a = [[1, 1], [1, 0], [0, 0]]
+    b = [[1, 0], [1, 0], [0, 0]]
+    out = paired_question_diff(a, b)
+    # d = (0.5, 0, 0): mean 1/6, sd = sqrt(1/12), se = sqrt(1/12)/sqrt(3) = 1/6 -> t = 1
+    assert out["diff"] == pytest.approx(1 / 6)
+    assert out["se"] == pytest.approx(1 / 6)
+    assert out["diff_in_se"] == pytest.approx(1.0)
+    assert out["n_questions"] == 3
+    if out["p_method"] == "t":  # t = 1 with df = 2: p = 1 - 1/sqrt(3)
+        assert out["p_value"] == pytest.approx(1 - 1 / math.sqrt(3))
+    # equal to the difference of clustered accuracies
+    assert out["diff"] == pytest.approx(clustered_accuracy(a)["accuracy"]
+                                        - clustered_accuracy(b)["accuracy"])
+    # dicts are aligned by question id, whatever their order
+    da = {"x": a[0], "y": a[1], "z": a[2]}
+    db = {"z": b[2], "x": b[0], "y": b[1]}
+    assert paired_question_diff(da, db) == out
+
+
+def test_paired_beats_unpaired_when_difficulty_is_shared():
+    a = [[1, 1], [1, 1], [0, 0], [0, 1]]
+    b = [[1, 1], [1, 0], [0, 0], [0, 0]]
+    out = paired_question_diff(a, b)
+    assert out["se"] < out["se_unpaired"]
+
+
+def test_paired_question_diff_mismatch():
+    with pytest.raises(ValueError, match="only in a"):
+        paired_question_diff({"x": [1]}, {"y": [1]})
+    with pytest.raises(ValueError, match="2 questions in a, 1 in b"):
+        paired_question_diff([[1], [0]], [[1]])
+
+
+def test_kl_bin_means():
+    out = kl_bin_means([1, 2, 3, 4, 5, 9], [0, 0.5, 1, 1.5, 4, 7], [0, 1, 2, 3, 4])
+    assert [b["count"] for b in out] == [2, 2, 0, 1]  # key 4 is in the closed last bin; 7 dropped
+    assert [b["mean"] for b in out[:2]] == [1.5, 3.5]
+    assert math.isnan(out[2]["mean"])
+    assert out[3]["mean"] == 5.0
+    assert (out[0]["lo"], out[0]["hi"]) == (0.0, 1.0)
+
+
+def test_kl_bin_means_2d_and_nan_padding():
+    kl_B_T = np.array([[1.0, 2.0, np.nan], [3.0, 4.0, 5.0]])
+    pos_B_T = np.array([[0, 1, 2], [0, 1, 2]])
+    out = kl_bin_means(kl_B_T, pos_B_T, [0, 1, 2, 3])
+    assert [b["mean"] for b in out] == [2.0, 3.0, 5.0]
+    assert [b["count"] for b in out] == [2, 2, 1]
+    with pytest.raises(ValueError, match="strictly increasing"):
+        kl_bin_means([1], [1], [1, 1])
+
+
+def test_summarize_runs():
+    records = [
+        {"arm": "opd", "seed": 0, "accuracy": 0.5, "stderr": 0.02},
+        {"arm": "sft", "seed": 0, "accuracy": 0.4, "stderr": 0.03},
+        {"arm": "opd", "seed": 1, "accuracy": 0.6, "stderr": 0.02},
+        {"arm": "opd", "seed": 2, "accuracy": 0.7, "stderr": 0.05},
+    ]
+    out = summarize_runs(records)
+    assert list(out) == ["opd", "sft"]
+    assert out["opd"]["mean"] == pytest.approx(0.6)
+    assert out["opd"]["sd"] == pytest.approx(0.1)
+    assert out["opd"]["se"] == pytest.approx(0.1 / math.sqrt(3))
+    assert out["opd"]["seeds"] == [0, 1, 2]
+    assert out["opd"]["mean_stderr"] == pytest.approx(0.03)
+    assert out["sft"]["n"] == 1 and math.isnan(out["sft"]["sd"])
+    with pytest.raises(ValueError, match="record 0 lacks keys \\['stderr'\\]"):
+        summarize_runs([{"arm": "a", "seed": 0, "accuracy": 0.5}])
+    with pytest.raises(ValueError, match="repeats arm='opd' seed=0"):
+        summarize_runs(records + [records[0]])
