@@ -243,8 +243,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", ".inf", "-inf", "-.inf", "nan"):
-            return float(value.replace(".", ""))
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) and inf as strings
+            try:
+                return float(value.strip().replace(".inf", "inf"))
+            except ValueError:
+                pass
         raise ConfigError(f"params key '{key}': expected float, got {value!r}")
     if tp is str:
         if value is None:

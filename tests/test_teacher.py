@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from opdkit import losses
+from opdkit.rollout import HFEngine, left_pad
+from opdkit.teacher import (AlignmentError, build_geometry, check_alignment, completion_hidden, full_logprobs,
+                            score, token_logprobs, topk_logprobs, unwrap)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_llama, tok):
+    ids = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
+    return HFEngine(tiny_llama, tok).sample(ids, samples_per_prompt=2, seeds=[1, 2, 3, 4], temperature=1.0,
+                                            top_p=1.0, max_new_tokens=10)
+
+
+def test_geometry_positions_are_contiguous_from_first_real_token():
+    p_ids, p_mask = left_pad([[1, 5, 6], [1, 7]], pad_id=0)
+    c_ids, c_mask = torch.tensor([[8, 2, 0], [9, 9, 2]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    g = build_geometry(p_ids, p_mask, c_ids, c_mask)
+    assert g.position_ids_B_S.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 1, 2, 3, 4]]
+    assert check_alignment(g, c_ids, c_mask, p_mask)["alignment_tokens"] == 5
+
+
+def test_alignment_check_rejects_a_right_padded_prompt():
+    p_ids, p_mask = torch.tensor([[1, 5, 0]]), torch.tensor([[1, 1, 0]])  # pad between prompt and completion
+    c_ids, c_mask = torch.tensor([[8, 2]]), torch.tensor([[1, 1]])
+    with pytest.raises(AlignmentError, match="pad sits between"):
+        check_alignment(build_geometry(p_ids, p_mask, c_ids, c_mask), c_ids, c_mask, p_mask)
+
+
+def test_teacher_equal_student_gives_zero_advantage_whatever_the_padding(tiny_llama, tok, rollout):
+    """Scored with extra left pads (positions from the mask) the same model gives the same
+    log-probs, so every k1 advantage is 0 up to float error."""
+    ro = rollout
+    g = build_geometry(ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp, ro.completion_ids_B_T, ro.completion_mask_B_T)
+    extra = 5
+    pad = torch.full((ro.prompt_ids_B_Sp.shape[0], extra), tok.pad_token_id)
+    g_pad = build_geometry(torch.cat([pad, ro.prompt_ids_B_Sp], 1), torch.cat([torch.zeros_like(pad), ro.prompt_mask_B_Sp], 1),
+                           ro.completion_ids_B_T, ro.completion_mask_B_T)
+    s = score(tiny_llama, g, ro.completion_ids_B_T, "sampled", 4, 8).logp_B_T
+    t = score(tiny_llama, g_pad, ro.completion_ids_B_T, "sampled", 4, 8).logp_B_T
+    m = ro.completion_mask_B_T
+    assert ((t - s) * m).abs().max() < 1e-5
+    logp = s.clone().requires_grad_(True)
+    loss, metrics = losses.k1_loss(logp, s, s, m, float(m.sum()), 0.2)
+    loss.backward()
+    assert metrics["advantage_mean"] == 0.0 and logp.grad.abs().max() == 0
+
+
+def test_chunked_scoring_matches_unchunked(tiny_llama, rollout):
+    ro = rollout
+    g = build_geometry(ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp, ro.completion_ids_B_T, ro.completion_mask_B_T)
+    _, head = unwrap(tiny_llama)
+    with torch.no_grad():
+        h = completion_hidden(tiny_llama, g)
+        full = tiny_llama(input_ids=g.input_ids_B_S, attention_mask=g.attention_mask_B_S,
+                          position_ids=g.position_ids_B_S).logits.float().log_softmax(-1)
+    ref = full[:, g.prompt_width - 1: g.prompt_width - 1 + g.completion_len]
+    assert torch.allclose(full_logprobs(head, h, chunk=3), ref, atol=1e-5)
+    tok_ref = ref.gather(-1, ro.completion_ids_B_T[..., None])[..., 0]
+    assert torch.allclose(token_logprobs(head, h, ro.completion_ids_B_T, chunk=4), tok_ref, atol=1e-5)
+    ids, vals = topk_logprobs(head, h, 3, chunk=2)
+    assert torch.equal(ids, ref.topk(3, -1).indices) and torch.allclose(vals, ref.topk(3, -1).values, atol=1e-5)
