@@ -130,7 +130,9 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
 
     src, ema, ctx = cfg.teacher.source, None, contextlib.nullcontext
     if src == "model":
-        check_same_vocab(tok, load_tokenizer(inputs.teacher_path))
+        t_tok = load_tokenizer(inputs.teacher_path)
+        check_same_vocab(tok, t_tok)
+        check_same_tokenization(tok, t_tok, inputs.examples[0])
         teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
     elif src == "privileged_fixed" and cfg.lora.enabled:
         teacher, ctx = student, student.disable_adapter  # the frozen base is the initial student
@@ -149,6 +151,19 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "
         f"teacher {inputs.teacher_path or src}")
     return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema)
+
+
+def check_same_tokenization(student_tok, teacher_tok, ex: Example) -> None:
+    """Same vocabulary is not enough: the two tokenizers must also split text the same way
+    (transformers may pick a model-type-specific tokenizer class with its own pre-tokenizer)."""
+    probe = ex.problem_text + " " + ex.solution
+    s_ids, t_ids = student_tok(probe).input_ids, teacher_tok(probe).input_ids
+    if s_ids != t_ids:
+        i = next((i for i, (a, b) in enumerate(zip(s_ids, t_ids)) if a != b), min(len(s_ids), len(t_ids)))
+        raise RunError(
+            f"teacher and student tokenizers split the same text differently ({type(student_tok).__name__} vs "
+            f"{type(teacher_tok).__name__}); first difference at token {i} of {probe[:60]!r}. OPD needs identical "
+            "tokenization: load both with the same tokenizer class")
 
 
 @torch.no_grad()

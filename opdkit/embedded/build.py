@@ -1,7 +1,7 @@
 """Build the embedded default from scratch: task parquet, tokenizer, teacher and student.
 
-The teacher (Llama architecture) learns the task by supervised next-token training on reference
-solutions. The student (Qwen2 architecture, same shape) starts from the teacher's run part-way
+The teacher learns the task by supervised next-token training on reference solutions. The
+student (same Llama shape) starts from the teacher's run part-way
 (``student_base_steps``: it knows the format and most of the arithmetic) and is then fine-tuned
 on solutions whose additions drop every carry: a systematic error the teacher can correct on the
 student's own samples, as in real OPD. Step counts are fixed, so the same seed gives the same
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from opdkit.config import EmbeddedConfig
 from opdkit.embedded import task
@@ -96,6 +96,7 @@ def save_model(model, tok, out: Path) -> None:
 def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
     """Write ``out/{data,teacher,student}``; returns a description of how they were made."""
     torch.manual_seed(e.seed)
+    torch.set_num_threads(e.threads)  # a fixed thread count: the same float reduction order every time
     torch.use_deterministic_algorithms(True)
     out = Path(out)
     (out / "data").mkdir(parents=True, exist_ok=True)
@@ -116,14 +117,10 @@ def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
                      seed=e.seed, log=log, snapshot_at=e.student_base_steps)
     save_model(teacher, tok, out / "teacher")
 
-    log(f"student: Qwen2 from the teacher run at step {e.student_base_steps}, then {e.student_carry_steps} "
+    log(f"student: from the teacher run at step {e.student_base_steps}, then {e.student_carry_steps} "
         "steps on carry-dropped solutions")
-    student = Qwen2ForCausalLM(Qwen2Config(**_arch_kwargs(e, len(tok), tok)))
-    missing, unexpected = student.load_state_dict(base, strict=False)
-    assert not unexpected and all(k.endswith(".bias") for k in missing), (missing, unexpected)
-    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: the same function as the Llama weights
-        for k in missing:
-            student.get_parameter(k).zero_()
+    student = LlamaForCausalLM(LlamaConfig(**_arch_kwargs(e, len(tok), tok)))
+    student.load_state_dict(base)
     carry = [task.carry_dropped_solution(task.parse_prompt(r["prompt"])) for r in train_rows]
     sft_train(student, tok, train_rows, carry, steps=e.student_carry_steps, total=e.student_carry_steps,
               start=0, batch_size=e.batch_size, lr=e.student_lr, warmup=10, seed=e.seed + 1, log=log)
@@ -132,8 +129,8 @@ def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
         "build_seconds": round(time.time() - t0, 1),
         "teacher": f"LlamaForCausalLM, {sum(p.numel() for p in teacher.parameters())} parameters, "
                    f"{e.teacher_steps} supervised steps on reference solutions (cosine lr {e.lr} -> 0)",
-        "student": f"Qwen2ForCausalLM of the same shape, initialised from the teacher's run at step "
-                   f"{e.student_base_steps} (q/k/v biases 0), then {e.student_carry_steps} supervised steps "
+        "student": f"LlamaForCausalLM of the same shape, initialised from the teacher's run at step "
+                   f"{e.student_base_steps}, then {e.student_carry_steps} supervised steps "
                    f"(lr {e.student_lr}) on solutions whose additions drop every carry (47+5=42): a planted "
                    "systematic error",
     }

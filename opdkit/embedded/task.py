@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 COLUMNS = ("id", "prompt", "solution", "answer")
+SUBTRACT_P = 0.3  # additions are more common: about half the problems then need a carry
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def sample_problem(rng: random.Random, min_ops: int, max_ops: int) -> Problem:
     first, ops = value, []
     for _ in range(rng.randint(min_ops, max_ops)):
         # Keep every intermediate value in 0..99: add at most 99-value, subtract at most value.
-        if value >= 95 or (value > 5 and rng.random() < 0.45):
+        if value >= 95 or (value > 5 and rng.random() < SUBTRACT_P):
             x = rng.randint(1, value)
             ops.append(("-", x))
             value -= x
