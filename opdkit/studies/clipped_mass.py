@@ -108,10 +108,10 @@ def clipped_mass_stats(chunks: Iterable[tuple[torch.Tensor, torch.Tensor, torch.
         for i, tau in enumerate(taus):
             entry_cos[i].add(fkl_grad(s_logits, t_logp, mask_B_T, n_tokens, "entry", tau), g_none)
             token_cos[i].add(fkl_grad(s_logits, t_logp, mask_B_T, n_tokens, "token", tau), g_none)
-    kl_N = torch.cat(kl).clamp_min(0.0).numpy()  # float noise can make a KL of ~0 slightly negative
-    fkl_N = torch.cat(fkl).numpy()
-    mass_N_tau = torch.cat(mass).numpy()
-    argmax_N_tau = torch.cat(argmax).float().numpy()
+    kl_N = torch.cat(kl).clamp_min(0.0).cpu().numpy()  # float noise can make a KL of ~0 slightly negative
+    fkl_N = torch.cat(fkl).cpu().numpy()
+    mass_N_tau = torch.cat(mass).cpu().numpy()
+    argmax_N_tau = torch.cat(argmax).float().cpu().numpy()
     by_kl = [kl_bin_means(mass_N_tau[:, i], kl_N, kl_bins) for i in range(len(taus))]
     return {
         "tau": list(taus),

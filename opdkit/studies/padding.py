@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from opdkit import losses
 from opdkit.config import Config
 from opdkit.opd import Batch, alignment_report
+from opdkit.rollout import Rollout
 from opdkit.studies.common import (log_floor, new_figure, prepare, row_chunks, study_header,
                                    write_json)
 from opdkit.teacher import AlignmentError, Geometry, build_geometry, check_alignment, full_logprobs, unwrap
@@ -117,7 +118,7 @@ def _sampled(logp_B_T_V: torch.Tensor, ids_B_T: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def padding_offsets(models: dict, ro, pad_id: int, ks: list[int], chunk: int, progress: bool = False) -> dict:
+def padding_offsets(models: dict, ro: Rollout, pad_id: int, ks: list[int], chunk: int, progress: bool = False) -> dict:
     """The study's numbers for rollout ``ro`` scored by ``models`` ({"teacher": m, "student": m}).
 
     Returns per side (right/left) and model: ``kl_{side}_{model}`` (mean KL(ref || shifted) per k)
