@@ -82,7 +82,7 @@ class LossConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1.0e-4
-    schedule: str = "cosine"  # constant | linear | cosine | wallclock_cosine
+    schedule: str = "wallclock_cosine"  # constant | linear | cosine (by step) | wallclock_cosine (by elapsed share of the wall budget)
     warmup_steps: int = 20
     min_lr: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -135,6 +135,7 @@ class RuntimeConfig:
     grad_checkpointing: bool = False
     logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab
     alignment_check: bool = True  # check teacher/student alignment on the first batch
+    teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class EmbeddedConfig:
     seed: int = 0
     n_train: int = 20000
     n_eval: int = 300
+    n_ops: int = 3  # operations per problem ("Compute 47+5-29+8."): more steps, more carries
     hidden_size: int = 128
     layers: int = 4
     heads: int = 4
@@ -167,7 +169,7 @@ class EmbeddedConfig:
     batch_size: int = 64
     lr: float = 3.0e-3
     warmup_steps: int = 50
-    teacher_steps: int = 900  # correct solutions, cosine to 0
+    teacher_steps: int = 1200  # correct solutions, cosine to 0
     student_base_steps: int = 500  # the student starts from the teacher's run at this step ...
     student_carry_steps: int = 150  # ... then learns carry-dropped additions
     student_lr: float = 1.0e-3
@@ -203,6 +205,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.schedule": ("constant", "linear", "cosine", "wallclock_cosine"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),
+    "runtime.teacher_sharding": ("replicate", "fsdp"),
 }
 
 

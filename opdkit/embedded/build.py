@@ -102,7 +102,7 @@ def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
     (out / "data").mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
-    train_rows, eval_rows = task.make_splits(e.seed, e.n_train, e.n_eval)
+    train_rows, eval_rows = task.make_splits(e.seed, e.n_train, e.n_eval, e.n_ops, e.n_ops)
     from opdkit.data import write_rows  # parquet through `datasets`
 
     write_rows(train_rows, out / "data" / "train.parquet")

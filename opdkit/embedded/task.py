@@ -1,7 +1,7 @@
 """The embedded synthetic math task: seeded multi-step arithmetic with chain-of-thought solutions.
 
-A problem reads ``Compute 47+5-29.``; its reference solution works left to right, one operation
-per sentence, and ends in a boxed answer: `` 47+5=52. 52-29=23. \\boxed{23}``. Every intermediate
+A problem reads ``Compute 47+5-29+8.``; its reference solution works left to right, one
+operation per sentence, and ends in a boxed answer: `` 47+5=52. 52-29=23. 23+8=31. \\boxed{31}``. Every intermediate
 value stays in 0..99, so each step is a 2-digit addition (often with a carry) or subtraction.
 
 ``carry_dropped_solution`` writes the same solution with every addition's carries dropped
@@ -29,7 +29,13 @@ class Problem:
 
 
 def add_without_carry(a: int, b: int) -> int:
-    """Digit-wise sum mod 10 (every carry dropped): 47+5 -> 42, 58+67 -> 15."""
+    """Digit-wise sum mod 10 (every carry dropped): 47+5 -> 42, 58+67 -> 15.
+
+    Defined for non-negative operands; with a negative one (reachable only after earlier dropped
+    carries) it is the plain sum.
+    """
+    if a < 0 or b < 0:
+        return a + b
     out, place = 0, 1
     while a or b:
         out += ((a % 10 + b % 10) % 10) * place

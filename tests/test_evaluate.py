@@ -1,0 +1,55 @@
+"""End-to-end evaluation of the shipped embedded teacher and student (small slice of the eval split)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opdkit import paths
+from opdkit.config import Config, replace
+from opdkit.data import load_examples
+from opdkit.evaluate import evaluate, summarize
+from opdkit.models import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return replace(Config(), "eval.max_questions=48", "eval.n_samples=2", "runtime.threads=1")
+
+
+def _eval(cfg, which):
+    torch.set_num_threads(1)
+    path = paths.teacher_path(cfg) if which == "teacher" else paths.student_path(cfg)
+    model, tok = load_model(path, torch.device("cpu")), load_tokenizer(path)
+    return evaluate(model, tok, load_examples(paths.eval_data_path(cfg), cfg.data), cfg.data, cfg.eval, progress=False)
+
+
+def test_teacher_is_clearly_better_than_student(cfg):
+    t, t_rec = _eval(cfg, "teacher")
+    s, s_rec = _eval(cfg, "student")
+    assert t["n_questions"] == s["n_questions"] == 48 and t["n_samples"] == 96
+    assert t["accuracy"] >= 0.85 and s["accuracy"] <= 0.6, (t, s)
+    assert t["accuracy"] - s["accuracy"] > 3 * (t["stderr"] ** 2 + s["stderr"] ** 2) ** 0.5
+    # the summary is recomputed independently from the per-sample records
+    by_q = {}
+    for r in s_rec:
+        by_q.setdefault(r["id"], []).append(r["correct"])
+    means = [sum(v) / len(v) for v in by_q.values()]
+    assert s["accuracy"] == pytest.approx(sum(means) / len(means))
+    assert summarize(s_rec) == s
+    assert all(r["pred"] == r["answer"] for r in t_rec if r["correct"])
+
+
+def test_eval_cli_writes_json_and_jsonl(tmp_path, cfg):
+    out = tmp_path / "e" / "teacher.json"
+    cmd = [sys.executable, "-m", "opdkit", "eval", "--quiet", "--model", str(paths.teacher_path(cfg)), "--out", str(out),
+           "--tag", "arm=teacher", "-S", "eval.max_questions=8", "-S", "eval.n_samples=2", "-S", "runtime.threads=1"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    summary = json.loads(out.read_text())
+    for key in ("accuracy", "stderr", "n_questions", "n_samples", "truncated_frac"):
+        assert key in summary
+    assert summary["n_questions"] == 8 and summary["n_samples"] == 16 and summary["arm"] == "teacher"
+    lines = out.with_suffix(".jsonl").read_text().splitlines()
+    assert len(lines) == 16 and {"id", "completion", "correct", "truncated"} <= set(json.loads(lines[0]))
