@@ -1,15 +1,20 @@
 """Rollout: the student samples completions for P prompts x G samples.
 
-Engines share one interface (``RolloutEngine.sample``) and return a ``Rollout``. The HF engine
-drives ``model.generate`` over left-padded prompts (so every sequence's positions run contiguously
-from its first real token) and samples each row with its own ``torch.Generator`` seeded from
-``(seed, step, index)``: a sample does not depend on what else is in the batch.
+Engines share one interface (``RolloutEngine.sample``) and return a ``Rollout``. Prompts are
+left-padded (so every sequence's positions run contiguously from its first real token) and each
+row is sampled with its own seed, derived from ``(seed, step, index)``: a sample does not depend
+on what else is in the batch.
 
-Sampling is done by a logits processor (temperature, top-p, then Gumbel-max with the row's
-generator) under greedy decoding, which keeps ``generate``'s fast paths (static KV cache on
-CUDA). The same processor records the log-probability of each sampled token under the raw model
-(temperature 1, no top-p): the sampling-time log-probs that the policy-gradient ratio compares
-against, on the same scale as the log-probs the loss recomputes.
+Sampling (``perturbed_logits``): temperature, top-p, then Gumbel-max with counter-based noise,
+a hash of ``(row seed, token index t, vocabulary id)`` in integer arithmetic. The noise is the
+same on every device and for every batch composition, so a sample depends only on its seed and
+the model's logits. Each engine also records the log-probability of each sampled token under the
+raw model (temperature 1, no top-p): the sampling-time log-probs that the policy-gradient ratio
+compares against, on the same scale as the log-probs the loss recomputes.
+
+Two implementations behind ``HFEngine``: on CPU (or ``static_cache=False``) ``model.generate``
+with the sampler as a logits processor; on CUDA with ``static_cache=True`` the static-KV-cache,
+CUDA-graph decoder of ``opdkit.decode`` on a bf16 inference copy of the live policy.
 """
 
 from __future__ import annotations
@@ -95,15 +100,51 @@ def top_p_filter(logits_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.empty_like(logits_B_V).scatter_(-1, order_B_V, sorted_B_V)
 
 
+# splitmix64 constants as signed int64 (torch integer arithmetic wraps modulo 2**64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser: a bijection of int64 that scrambles every bit."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniform_noise(seeds_B: torch.Tensor, t, V: int) -> torch.Tensor:
+    """(B, V) float32 uniforms in (0, 1) from ``(seed_b, t, v)`` by integer hashing.
+
+    ``t`` (int or 0-dim int64 tensor) is the index of the token being sampled. Pure integer
+    arithmetic: the same bits on CPU and GPU, and no generator state (so it can run inside a CUDA
+    graph). 24 bits per draw, as ``torch.rand`` gives in float32.
+    """
+    key_B = _mix64(seeds_B * _GOLDEN + t)  # one stream per (row, token index)
+    v_V = torch.arange(V, device=seeds_B.device, dtype=torch.int64)
+    bits_B_V = _mix64(key_B[:, None] + v_V[None, :] * _GOLDEN)
+    return (_shr(bits_B_V, 40).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def perturbed_logits(raw_B_V: torch.Tensor, seeds_B: torch.Tensor, t, temperature: float, top_p: float) -> torch.Tensor:
+    """Tempered, top-p-filtered logits plus Gumbel noise: their argmax is a sample (greedy if T<=0)."""
+    if temperature <= 0:
+        return raw_B_V
+    logits_B_V = top_p_filter(raw_B_V / temperature, top_p)
+    gumbel_B_V = -torch.log(-torch.log(uniform_noise(seeds_B, t, raw_B_V.shape[1])))
+    return logits_B_V + gumbel_B_V
+
+
 class SeededSampler(LogitsProcessor):
     """Per-row seeded sampling inside greedy ``generate``; records raw log-probs of chosen tokens."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, prompt_width: int, device):
-        self.generators = []
-        for s in seeds:
-            g = torch.Generator(device=device)
-            g.manual_seed(s)
-            self.generators.append(g)
+        self.seeds_B = torch.tensor(seeds, dtype=torch.int64, device=device)
         self.temperature, self.top_p, self.prompt_width = temperature, top_p, prompt_width
         self.prev_logp_B_V: torch.Tensor | None = None
         self.logps: list[torch.Tensor] = []
@@ -113,18 +154,12 @@ class SeededSampler(LogitsProcessor):
             self.logps.append(self.prev_logp_B_V.gather(1, chosen_B[:, None])[:, 0])
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if input_ids.shape[1] > self.prompt_width:
+        t = input_ids.shape[1] - self.prompt_width  # index of the token sampled now
+        if t > 0:
             self._record(input_ids[:, -1])
         raw_B_V = scores.float()
         self.prev_logp_B_V = raw_B_V.log_softmax(dim=-1)
-        if self.temperature <= 0:  # greedy
-            return raw_B_V
-        logits_B_V = top_p_filter(raw_B_V / self.temperature, self.top_p)
-        # Gumbel-max: argmax(logits + Gumbel noise) is a sample from softmax(logits).
-        u_B_V = torch.stack([torch.rand(raw_B_V.shape[1], generator=g, device=raw_B_V.device) for g in self.generators])
-        exp_B_V = -torch.log(u_B_V.clamp_min(1e-20))  # Exp(1) noise
-        gumbel_B_V = -torch.log(exp_B_V.clamp_min(1e-20))
-        return logits_B_V + gumbel_B_V
+        return perturbed_logits(raw_B_V, self.seeds_B, t, self.temperature, self.top_p)
 
     def finish(self, completion_ids_B_T: torch.Tensor) -> torch.Tensor:
         """Log-probs of the sampled tokens, (B, T); call once after ``generate``."""
@@ -135,7 +170,12 @@ class SeededSampler(LogitsProcessor):
 
 
 class HFEngine:
-    """Rollouts with ``transformers`` ``generate`` on the live student (no weight copy needed)."""
+    """Rollouts of the live policy with ``transformers`` models.
+
+    CPU, or ``static_cache=False``: ``model.generate`` (dynamic KV cache) on the live model. CUDA
+    with ``static_cache=True``: ``opdkit.decode.StaticDecoder``, a bf16 inference copy refreshed
+    from the live model (LoRA merged in) at every ``sample`` call, static KV cache, CUDA graphs.
+    """
 
     def __init__(self, model, tokenizer, *, static_cache: bool = True, batch_size: int = 0):
         self.model, self.tokenizer = model, tokenizer
@@ -144,8 +184,9 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        self.decoder = None  # the StaticDecoder, made on first use
 
-    def sync_weights(self, model) -> None:  # generate runs on the live model
+    def sync_weights(self, model) -> None:  # every sample() reads the live model's current weights
         self.model = model
 
     @torch.no_grad()
@@ -153,22 +194,37 @@ class HFEngine:
         rows = [p for p in prompts for _ in range(samples_per_prompt)]  # prompt-major: B = P*G
         if len(seeds) != len(rows):
             raise ValueError(f"need one seed per sample: {len(rows)} samples, {len(seeds)} seeds")
+        device = next(self.model.parameters()).device
+        if self.static_cache and device.type == "cuda":
+            from opdkit.decode import StaticDecoder
+
+            if self.decoder is None:
+                self.decoder = StaticDecoder(self.model)
+            else:
+                self.decoder.sync(self.model)
         step = self.batch_size or len(rows)
-        parts = [self._generate(rows[i:i + step], seeds[i:i + step], temperature, top_p, max_new_tokens)
+        parts = [self._generate(rows[i:i + step], seeds[i:i + step], temperature, top_p, max_new_tokens, device)
                  for i in range(0, len(rows), step)]
         prompt_index_B = torch.arange(len(prompts)).repeat_interleave(samples_per_prompt)
         return _concat(parts, prompt_index_B, self.pad_id)
 
-    def _generate(self, rows, seeds, temperature, top_p, max_new_tokens):
-        device = next(self.model.parameters()).device
+    def _generate(self, rows, seeds, temperature, top_p, max_new_tokens, device):
         ids_B_Sp, mask_B_Sp = left_pad(rows, self.pad_id, device)
-        sampler = SeededSampler(seeds, temperature, top_p, ids_B_Sp.shape[1], device)
+        if self.decoder is not None:
+            comp_B_T, logp_B_T = self.decoder.generate(ids_B_Sp, mask_B_Sp, seeds, temperature=temperature, top_p=top_p,
+                                                       max_new_tokens=max_new_tokens, eos_ids=self.eos_ids)
+        else:
+            comp_B_T, logp_B_T = self._hf_generate(ids_B_Sp, mask_B_Sp, seeds, temperature, top_p, max_new_tokens)
+        mask_B_T, truncated_B = completion_mask(comp_B_T, self.eos_ids)
+        comp_B_T = torch.where(mask_B_T.bool(), comp_B_T, torch.full_like(comp_B_T, self.pad_id))
+        return ids_B_Sp, mask_B_Sp, comp_B_T, mask_B_T, logp_B_T * mask_B_T, truncated_B
+
+    def _hf_generate(self, ids_B_Sp, mask_B_Sp, seeds, temperature, top_p, max_new_tokens):
+        sampler = SeededSampler(seeds, temperature, top_p, ids_B_Sp.shape[1], ids_B_Sp.device)
         gen_cfg = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id, bos_token_id=self.tokenizer.bos_token_id,
+            pad_token_id=self.pad_id, bos_token_id=self.tokenizer.bos_token_id, disable_compile=True,
         )
-        if self.static_cache and device.type == "cuda":
-            gen_cfg.cache_implementation = "static"
         was_training = self.model.training
         self.model.eval()
         try:
@@ -179,10 +235,7 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         comp_B_T = out_B_S[:, ids_B_Sp.shape[1]:]
-        logp_B_T = sampler.finish(comp_B_T)
-        mask_B_T, truncated_B = completion_mask(comp_B_T, self.eos_ids)
-        comp_B_T = torch.where(mask_B_T.bool(), comp_B_T, torch.full_like(comp_B_T, self.pad_id))
-        return ids_B_Sp, mask_B_Sp, comp_B_T, mask_B_T, logp_B_T * mask_B_T, truncated_B
+        return comp_B_T, sampler.finish(comp_B_T)
 
 
 def _right_pad_cat(tensors: list[torch.Tensor], value) -> torch.Tensor:
