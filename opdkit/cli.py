@@ -1,22 +1,25 @@
 """Command line: ``opdkit <command> [-p params.yaml] [-S key=value ...]``.
 
 Exit statuses: 0 success; 1 a failure during the work (the message says which checkpoints
-survive); 2 bad input (one line naming the file/key and what was expected); 75 the output
-directory is locked by another run.
+survive); 2 bad input (one line naming the file/key and what was expected, nothing written);
+75 the output directory is locked by another run; 128+N stopped by signal N (SIGINT, SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_LOCKED = 1, 2, 75
 
 
 def _add_params(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-p", "--params", default=None, help="params YAML (default: params.yaml if present, else built-in defaults)")
+    p.add_argument("-p", "--params", default=None, help="params YAML (default: params.yaml if present, else built-in defaults; 'none': built-in defaults)")
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a params key (dotted path), e.g. -S loss.name=jsd; repeatable")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -28,6 +31,8 @@ def _config(args):
     path = args.params
     if path is None and Path("params.yaml").is_file():
         path = "params.yaml"
+    if path == "none":  # the built-in defaults of opdkit.config, whatever the directory holds
+        path = None
     return load_config(path, args.overrides)
 
 
@@ -77,27 +82,93 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from opdkit.train import train
+class Terminated(BaseException):
+    """SIGTERM (a scheduler stopping the job, run.sh passing on Ctrl-C): unwinds the run like
+    Ctrl-C, so a checkpoint being exported is finished before the process exits 128+15."""
 
-    from opdkit.publish import surviving_checkpoints_message
 
-    cfg = _config(args)
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _probe_lock(out: Path) -> None:
+    """Raise ``LockHeld`` at once if another run holds ``out``'s lock (before anything slow is
+    loaded). Creates and changes nothing; ``train`` takes the lock for real after validating."""
+    import fcntl
+
+    from opdkit.fsutil import LOCK_NAME, LockHeld
+
     try:
-        result = train(cfg, args.out, progress=not args.quiet)
-    except (KeyboardInterrupt, Exception):  # report what survives, then fail loudly (never exit 0)
-        print(f"opdkit: training failed; {surviving_checkpoints_message(Path(args.out) / 'checkpoints')}", file=sys.stderr)
-        raise
-    print(json.dumps(result.__dict__))
+        fd = os.open(out / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (or unreadable): nobody holds it, or train() will say why
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "pid unknown"
+        raise LockHeld(out, holder) from None
+    except OSError:
+        return  # a file system without flock on read-only handles: train() decides
+    finally:
+        os.close(fd)  # also releases our probe
+
+
+def _quiet_datasets() -> None:
+    """``datasets`` draws a progress bar and logs an error line while reading a parquet file; the
+    ``DataError`` raised for a bad file already says what is wrong, in one line."""
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DATASETS_VERBOSITY", "critical")  # read when datasets is imported
+
+
+def cmd_train(args) -> int:
+    out = Path(args.out)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone takes the lock
+        _probe_lock(out)  # before anything slow is imported
+    cfg = _config(args)
+    _quiet_datasets()
+    from opdkit.publish import PublishError, surviving_checkpoints_message
+    from opdkit.train import preflight, train
+
+    if args.check:
+        inputs = preflight(cfg, out)
+        print(f"inputs ok: student {inputs.student_path}, teacher {inputs.teacher_path}, data {inputs.train_path} "
+              f"({len(inputs.examples)} rows); {out} is free")
+        return 0
+    from opdkit import distributed
+
+    world = distributed.init(cfg.runtime)  # a no-op without torchrun
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result = train(cfg, out, progress=not args.quiet)
+    except (*_expected_errors(), PublishError):
+        raise  # main() prints these as one line
+    except (KeyboardInterrupt, Terminated) as e:
+        sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        print(f"opdkit: training stopped by {sig.name}; {surviving_checkpoints_message(out / 'checkpoints')}",
+              file=sys.stderr)
+        return 128 + sig
+    except Exception as e:  # a crash: the traceback, then what survives (never exit 0)
+        traceback.print_exc()
+        print(f"opdkit: training failed ({type(e).__name__}: {e}); {surviving_checkpoints_message(out / 'checkpoints')}",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        distributed.shutdown()
+    if world.is_main:
+        print(json.dumps(result.__dict__))
     return 0
 
 
 def cmd_validate(args) -> int:
     from opdkit.publish import is_valid_checkpoint
 
-    ok, reason = is_valid_checkpoint(args.dir)
-    print(f"{args.dir}: {'valid' if ok else 'INVALID'}{'' if ok else ': ' + reason}")
-    return 0 if ok else EXIT_FAILURE
+    all_ok = True
+    for d in args.dir:
+        ok, reason = is_valid_checkpoint(d)
+        print(f"{d}: {'valid' if ok else 'INVALID: ' + reason}")
+        all_ok &= ok
+    return 0 if all_ok else EXIT_FAILURE
 
 
 def cmd_study(args) -> int:
@@ -140,13 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params(p)
     p.set_defaults(fn=cmd_eval)
 
-    p = sub.add_parser("train", help="one OPD run")
+    p = sub.add_parser("train", help="one OPD run (or the rest of one: resumes from DIR's trainer state)")
     p.add_argument("--out", required=True)
+    p.add_argument("--check", action="store_true",
+                   help="only validate the inputs and OUT (exit 0, 2 or 75); writes nothing")
     _add_params(p)
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("validate", help="exit 0 if DIR is a complete loadable checkpoint")
-    p.add_argument("dir")
+    p = sub.add_parser("validate", help="exit 0 if DIR is a complete loadable checkpoint (each DIR, if several)")
+    p.add_argument("dir", nargs="+")
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("study", help="mechanism studies")
@@ -164,14 +237,26 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    """Bad input (exit 2) and a held lock (exit 75): reported as one line, no traceback."""
     from opdkit.config import ConfigError
     from opdkit.data import DataError
     from opdkit.embedded import MissingAsset
     from opdkit.fsutil import LockHeld
     from opdkit.models import ModelError
-    from opdkit.publish import PublishError
     from opdkit.setup import RunError
+
+    return LockHeld, ConfigError, DataError, ModelError, RunError, MissingAsset
+
+
+def _publish_error() -> type[BaseException]:
+    from opdkit.publish import PublishError  # imports torch: only when there is an error to match
+
+    return PublishError
+
+
+def main(argv: list[str] | None = None) -> int:
+    from opdkit.fsutil import LockHeld
 
     args = build_parser().parse_args(argv)
     try:
@@ -179,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     except LockHeld as e:
         print(f"opdkit: {e}", file=sys.stderr)
         return EXIT_LOCKED
-    except (ConfigError, DataError, ModelError, RunError, MissingAsset) as e:
+    except _expected_errors() as e:
         print(f"opdkit: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except PublishError as e:
+    except _publish_error() as e:
         print(f"opdkit: publishing failed, the run stopped: {e}", file=sys.stderr)
         return EXIT_FAILURE

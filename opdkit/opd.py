@@ -160,15 +160,16 @@ def score_batch(cfg: Config, teacher, batch: Batch, autocast, teacher_ctx_manage
         return [teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager) for rows in micro_slices(cfg, batch)]
 
 
-def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast) -> dict:
+def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n_tokens: float | None = None) -> dict:
     """Forward + backward of the whole step in micro-batches; returns combined metrics.
 
     ``contexts`` are ``score_batch``'s per-micro-batch teacher outputs. Gradients accumulate in
     ``student``'s parameters; the loss is the token mean over the whole step (every micro-batch
-    divides by the step's token count).
+    divides by the step's token count). ``n_tokens`` overrides that count: a rank of a sharded run
+    holds part of the step and passes the global count / world size (FSDP averages over ranks).
     """
     ro = batch.rollout
-    n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()))
+    n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
     chunk = cfg.runtime.logprob_chunk
     parts, total = [], 0.0
     _, s_head = unwrap(student)

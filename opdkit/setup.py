@@ -143,14 +143,19 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
         teacher = student
         ctx = student.disable_adapter if cfg.lora.enabled else contextlib.nullcontext
 
-    params = [p for p in student.parameters() if p.requires_grad]
-    o = cfg.optim
-    opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
-                            fused=device.type == "cuda")
-    n_train = sum(p.numel() for p in params)
+    opt = make_optimizer(cfg, student, device)
+    n_train = sum(p.numel() for p in student.parameters() if p.requires_grad)
     log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "
         f"teacher {inputs.teacher_path or src}")
     return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema)
+
+
+def make_optimizer(cfg: Config, student, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, in ``parameters()`` order (the trainer state keys
+    optimizer entries by that order)."""
+    o = cfg.optim
+    return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=o.lr, betas=o.betas,
+                             weight_decay=o.weight_decay, fused=device.type == "cuda")
 
 
 def check_same_tokenization(student_tok, teacher_tok, ex: Example) -> None:
@@ -168,6 +173,10 @@ def check_same_tokenization(student_tok, teacher_tok, ex: Example) -> None:
 
 @torch.no_grad()
 def update_ema(ema: torch.nn.Module, student: torch.nn.Module, decay: float) -> None:
+    from opdkit.distributed import reshard
+
+    for m in (ema, student):  # FSDP2 (torchrun): pair the two models' shards, not gathered copies
+        reshard(m)
     for pe, ps in zip(ema.parameters(), student.parameters()):
         pe.mul_(decay).add_(ps.detach(), alpha=1 - decay)
 

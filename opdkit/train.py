@@ -7,17 +7,32 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
     metrics/train.jsonl               one JSON object per step
     state/trainer_state.pt            what resume needs (weights or adapter, optimizer, step, data
                                       position, RNG, elapsed wall time); written atomically
-    run.json                          how the latest start ended (status, reason, step, checkpoints)
+    run.json                          the latest start: running / completed / failed (+ reason, step)
+    .opdkit.lock                      held while a run writes here (a second run fails at once)
 
-Starting again on the same directory resumes from ``state/``: the step count continues, metrics
-lines past the saved step (from a crashed attempt) are dropped and new ones appended, and the
-wall-clock budget counts the time already spent.
+Every input is validated before anything in the directory is created or changed. The trainer
+state is saved before the checkpoint of the same step is submitted, so a ``checkpoint-<step>``
+never exists without a state at that step or later.
+
+Starting again on the same directory resumes from ``state/``: the step count, data position,
+per-sample seeds and RNG continue exactly (an interrupted run ends with the same weights as an
+uninterrupted one), metrics lines past the saved step (from a killed attempt) are dropped and new
+ones appended, and the wall-clock budget counts the time already spent, including the steps that
+were lost. Only budgets, publishing, runtime and paths may change between starts; the data must be
+the same (fingerprint). A run that already reached its end returns at once.
+
+Under ``torchrun`` (``opdkit.distributed``) every rank runs this loop on its share of each step's
+prompts with the student sharded by FSDP2; rank 0 alone holds the lock and writes the directory.
+The state is the same as a single process's, so a run resumes under any world size that divides
+``rollout.prompts_per_step``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import random
 import resource
 import time
@@ -27,17 +42,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import opd
+from opdkit import distributed, opd
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text, retry_io
-from opdkit.publish import Publisher, list_checkpoints, surviving_checkpoints_message
+from opdkit.publish import Publisher, is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.rollout import make_engine
 from opdkit.schedules import lr_at
-from opdkit.setup import (Run, build_run, code_revision, export_state_dict, load_trainable_state, prepare_inputs,
-                          trainable_state, update_ema)
+from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
 
 STATE_FILE = "state/trainer_state.pt"
 METRICS_FILE = "metrics/train.jsonl"
+RUN_FILE = "run.json"
+# Params sections that may change between the starts of one run; any other change would splice
+# two different runs together. Paths may change too (files move), the data fingerprint may not.
+RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "pipeline", "embedded")
+PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
 
 
 @dataclass
@@ -60,39 +79,110 @@ def prompt_indices(seed: int, n_rows: int, start: int, count: int) -> list[int]:
     return out
 
 
-def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int) -> None:
+# --- trainer state ----------------------------------------------------------------------------
+
+
+def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log) -> None:
+    # every rank: gathering sharded weights is collective; rank 0 writes (one process's layout)
+    model = distributed.trainable_state(run.student)
+    optimizer = distributed.optimizer_state(run.student, run.optimizer)
+    ema = distributed.full_state_dict(run.ema) if run.ema is not None else None
+    if not distributed.current().is_main:
+        return
     state = {
         "step": step, "elapsed_s": elapsed, "data_pos": data_pos,
-        "model": trainable_state(run.student), "optimizer": run.optimizer.state_dict(),
-        "ema": {k: v.cpu() for k, v in run.ema.state_dict().items()} if run.ema is not None else None,
-        "rng": torch.get_rng_state(), "config": to_dict(run.cfg),
-    }
+        "model": model, "optimizer": optimizer, "ema": ema,
+        "rng": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
+        "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint,
+    }  # fmt: skip
     buf = io.BytesIO()
     torch.save(state, buf)
     (out / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
     p = run.cfg.publish
     retry_io(lambda: atomic_write_bytes(out / STATE_FILE, buf.getvalue()), retries=p.retries, backoff_s=p.backoff_s,
-             what=f"trainer state at step {step}")
+             what=f"saving the trainer state at step {step}", log=log)
 
 
-def _resume(out: Path, run: Run, log) -> tuple[int, float, int]:
+def _load_state(out: Path) -> dict | None:
+    """The saved trainer state (memory-mapped: cheap to peek at), or None for a fresh run."""
     f = out / STATE_FILE
+    if not f.is_file():
+        return None
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # written atomically, so this is damage from outside, not a crash of ours
+        raise RunError(f"trainer state {f} cannot be read ({type(e).__name__}: {e}); "
+                       "move it away to start this run from scratch, or use another output directory") from None
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> None:
+    """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
+    old, new = _flat(state["config"]), _flat(to_dict(cfg))
+    fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
+             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS and old[k] != new[k]]
+    if fixed:
+        changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
+        raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
+                       "same values or choose another output directory")
+    if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
+        raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
+                       "(fingerprints differ); resume it with the same data or choose another output directory")
+
+
+def _check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
+    """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
+    if out.exists() and not out.is_dir():
+        raise RunError(f"output directory {out} exists and is not a directory")
+    state = _load_state(out)
+    if state is not None:
+        _check_resumable(cfg, inputs, state, out)
+    elif list_checkpoints(out / "checkpoints"):
+        names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
+        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({STATE_FILE}) to resume "
+                       "them from; choose another output directory or remove the old checkpoints")
+
+
+def _trim_metrics(out: Path, step: int) -> float:
+    """Keep the metrics lines of steps <= ``step`` (a killed attempt may have written later ones, the
+    last maybe half); return the largest ``elapsed_s`` among the dropped lines (time that was spent)."""
+    f = out / METRICS_FILE
     if not f.exists():
-        return 0, 0.0, 0
-    state = torch.load(f, map_location="cpu", weights_only=False)
+        return 0.0
+    kept, lost_elapsed = [], 0.0
+    for line in f.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the torn last line of a killed attempt
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            continue
+        if row["step"] <= step:
+            kept.append(line)
+        else:
+            lost_elapsed = max(lost_elapsed, row.get("elapsed_s") or 0.0)
+    atomic_write_text(f, "".join(ln + "\n" for ln in kept))
+    return lost_elapsed
+
+
+def _restore(run: Run, state: dict) -> None:
     load_trainable_state(run.student, state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     if run.ema is not None and state.get("ema"):
         run.ema.load_state_dict(state["ema"])
     torch.set_rng_state(state["rng"])
-    step, elapsed = state["step"], state["elapsed_s"]
-    # Drop metrics lines a crashed attempt wrote after the saved step, then append from here.
-    mfile = out / METRICS_FILE
-    if mfile.exists():
-        kept = [ln for ln in mfile.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        atomic_write_text(mfile, "".join(ln + "\n" for ln in kept))
-    log(f"resuming from {f}: step {step}, {elapsed:.1f}s of the wall budget already spent")
-    return step, elapsed, state["data_pos"]
+    if state.get("rng_cuda") is not None and run.device.type == "cuda":
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
+# --- publishing and stopping ------------------------------------------------------------------
 
 
 def _publish(publisher: Publisher, run: Run, step: int, elapsed: float) -> None:
@@ -102,12 +192,16 @@ def _publish(publisher: Publisher, run: Run, step: int, elapsed: float) -> None:
         "code_revision": run.extras["code_revision"], "source_student": str(run.inputs.student_path),
     }
     base = run.student.get_base_model() if hasattr(run.student, "get_base_model") else run.student
-    publisher.submit(step=step, state_dict=export_state_dict(run.student), model_config=base.config,
+    publisher.submit(step=step, state_dict=distributed.export_state_dict(run.student), model_config=base.config,
                      tokenizer=run.tokenizer, generation_config=base.generation_config, meta=meta)
 
 
+def _is_published(out: Path, step: int) -> bool:
+    return is_valid_checkpoint(out / "checkpoints" / f"checkpoint-{step}", full=False)[0]
+
+
 def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
+    if device.type == "cuda":  # this rank's GPU
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
@@ -121,38 +215,111 @@ def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> 
     return None
 
 
+def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World) -> TrainResult:
+    result = TrainResult("completed", reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
+    if not world.is_main:
+        return result
+    atomic_write_json(out / RUN_FILE, result.__dict__)
+    log(f"training ended ({reason}) at step {step} after {elapsed:.1f}s; {surviving_checkpoints_message(out / 'checkpoints')}")
+    return result
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def preflight(cfg: Config, out: str | Path) -> Inputs:
+    """Every check ``train`` makes before it writes anything: inputs, params, and whether ``out``
+    holds a run these params may resume. Reads ``out``, never changes it."""
+    inputs = prepare_inputs(cfg)
+    distributed.check_params(cfg, distributed.current())
+    _check_output_dir(Path(out), cfg, inputs)
+    return inputs
+
+
 def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> TrainResult:
-    """One OPD run into ``out``; raises on any failure (the caller maps it to an exit status)."""
+    """One OPD run into ``out`` (or the rest of one); raises on any failure (the caller maps it to
+    an exit status). ``RunError``/``DataError``/``ModelError``/``ConfigError`` raised before the
+    lock is taken leave ``out`` exactly as it was; ``LockHeld`` if another run writes there."""
+    t_start = time.monotonic()  # the wall budget includes start-up (loading models, data)
     out = Path(out)
-    inputs = prepare_inputs(cfg)  # every input checked before the output directory is touched
-    out.mkdir(parents=True, exist_ok=True)
-    with OutputLock(out):
-        return _train_locked(cfg, inputs, out, log, progress)
+    world = distributed.current()
+    if not world.is_main:  # rank 0 alone logs and writes the output directory
+        log, progress = (lambda *args, **kwargs: None), False
+    inputs = preflight(cfg, out)
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    with OutputLock(out) if world.is_main else contextlib.nullcontext():
+        try:
+            return _train_locked(cfg, inputs, out, log, progress, t_start, world)
+        except BaseException as e:
+            if not world.is_main:
+                raise
+            try:  # best effort: the failure itself may be the file system
+                atomic_write_json(out / RUN_FILE, {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                                   "checkpoints": [c.name for c in list_checkpoints(out / "checkpoints")]})
+            except OSError:
+                pass
+            raise
 
 
-def _train_locked(cfg: Config, inputs, out: Path, log, progress: bool) -> TrainResult:
-    atomic_write_text(out / "config.yaml", dump_yaml(cfg))
+def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
+                  world: distributed.World) -> TrainResult:
+    state = _load_state(out)  # again, now that no other run can change it
+    if state is not None:
+        _check_resumable(cfg, inputs, state, out)
+    step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
+    seen = world.gather(step if state is not None else None)  # every rank restores the same state
+    if len(set(seen)) > 1:
+        raise RunError(f"the ranks see different trainer states in {out / STATE_FILE} (steps {seen}); with several "
+                       "nodes the output directory must be one shared directory")
+    lost_elapsed = _trim_metrics(out, step) if world.is_main else 0.0
+    elapsed0 = world.from_main(max(state["elapsed_s"], lost_elapsed) if state else 0.0)
+    if world.is_main:
+        atomic_write_text(out / "config.yaml", dump_yaml(cfg))
+        atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size})
     log("resolved config:\n" + dump_yaml(cfg))
+    if state is not None:
+        log(f"resuming from {out / STATE_FILE}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
+            + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
+               if lost_elapsed > state["elapsed_s"] else ""))
+        reason = _should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
+        reason, done = world.from_main((reason, bool(reason) and _is_published(out, step)))
+        if done:
+            log(f"this run already reached its end ({reason}) and checkpoint-{step} is published: nothing to do")
+            return _finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world)
+
     run = build_run(cfg, inputs, log)
     run.extras["code_revision"] = code_revision()
-    step, elapsed0, data_pos = _resume(out, run, log)
-    publisher = Publisher(out / "checkpoints", keep=cfg.publish.keep, retries=cfg.publish.retries,
-                          backoff_s=cfg.publish.backoff_s, log=log)
-    engine = make_engine(cfg, run.student, run.tokenizer)
-    (out / "metrics").mkdir(exist_ok=True)
-    metrics_f = (out / METRICS_FILE).open("a")
+    if state is not None:
+        _restore(run, state)  # unsharded, on every rank
+    del state
+    if world.active:  # torchrun: shard the student (and teacher) over the ranks
+        run = distributed.shard_run(run, world)
+    if world.is_main:
+        publisher = Publisher(out / "checkpoints", keep=cfg.publish.keep, retries=cfg.publish.retries,
+                              backoff_s=cfg.publish.backoff_s, log=log)
+        (out / "metrics").mkdir(exist_ok=True)
+        metrics_f = (out / METRICS_FILE).open("a")
+    else:
+        publisher, metrics_f = distributed.NullPublisher(), open(os.devnull, "w")
+    engine = distributed.wrap_engine(make_engine(cfg, run.student, run.tokenizer), run.student)
+    engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     pad_id = run.tokenizer.pad_token_id
     horizon = cfg.budget.schedule_steps or cfg.budget.max_steps
-    t_start, last_step_s = time.monotonic(), 0.0
-    if step and not any(c.name == f"checkpoint-{step}" for c in list_checkpoints(out / "checkpoints")):
-        _publish(publisher, run, step, elapsed0)  # the state's weights were never published: do it now
+    elapsed, last_step_s = elapsed0 + time.monotonic() - t_start, 0.0
+    published_step = None  # the newest step whose checkpoint is published or being published
+    if step and world.from_main(_is_published(out, step)):
+        published_step = step
+    elif step:
+        _publish(publisher, run, step, elapsed)  # the state's weights were never published: do it now
+        published_step = step
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
-    reason = None
     with publisher, metrics_f, bar:
         while True:
             publisher.check()  # a failed background export stops the run here, never silently
-            elapsed = elapsed0 + time.monotonic() - t_start
+            # rank 0's clock for all: the same stop decision and wall-clock learning rate everywhere
+            elapsed, last_step_s = world.broadcast(elapsed0 + time.monotonic() - t_start, last_step_s)
             reason = _should_stop(cfg, step, elapsed, last_step_s)
             if reason:
                 break
@@ -163,17 +330,21 @@ def _train_locked(cfg: Config, inputs, out: Path, log, progress: bool) -> TrainR
             for g in run.optimizer.param_groups:
                 g["lr"] = lr
 
-            # 1. rollout: P prompts x G samples from the student (or the teacher / references for sft)
-            examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P)]
+            # 1. rollout: P prompts x G samples from the student (or the teacher / references for sft);
+            # a rank of a sharded run takes prompts mine.start .. mine.stop-1 (global sample seeds)
+            mine = world.share(P)
+            examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P)][mine]
             data_pos += P
             prompts = run.prompts(examples)
             if cfg.loss.name == "sft" and cfg.loss.sft_source == "reference":
                 sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
                 rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
             else:
-                sampler = make_engine(cfg, run.teacher, run.tokenizer) if cfg.loss.name == "sft" else engine
+                sampler = distributed.wrap_engine(make_engine(cfg, run.teacher, run.tokenizer), run.teacher) \
+                    if cfg.loss.name == "sft" else engine
+                seeds = opd.step_seeds(cfg.seed, step, len(prompts) * G, offset=mine.start * G)
                 with run.autocast():
-                    rollout = sampler.sample(prompts, samples_per_prompt=G, seeds=opd.step_seeds(cfg.seed, step, P * G),
+                    rollout = sampler.sample(prompts, samples_per_prompt=G, seeds=seeds,
                                              temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
             if cfg.teacher.source == "model":
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
@@ -192,26 +363,31 @@ def _train_locked(cfg: Config, inputs, out: Path, log, progress: bool) -> TrainR
             # 2. teacher scoring, 3. loss + backward (micro-batched, token mean over the step), 4. update
             contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
             t2 = time.monotonic()
-            m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast)
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in run.student.parameters() if p.requires_grad],
-                                                       cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+            # the token mean over the whole step: FSDP averages gradients over ranks, hence / world.size
+            n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
+                                              int(rollout.truncated_B.sum()))
+            m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+            m = distributed.reduce_metrics(m, world)
+            grad_norm = distributed.clip_grad_norm_([p for p in run.student.parameters() if p.requires_grad],
+                                                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             if run.ema is not None:
                 update_ema(run.ema, run.student, cfg.teacher.ema_decay)
+            engine.sync_weights(run.student)  # a separate inference engine (vLLM) samples the new weights
             step += 1
             t3 = time.monotonic()
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
 
-            n_tok = rollout.n_tokens
+            n_tok = int(n_tok)  # whole step, all ranks (times and memory: rank 0's / the largest)
             row = {
                 "step": step, "elapsed_s": round(elapsed, 3), "lr": lr, "loss": m["loss"], "kl": m.get("kl"),
-                "grad_norm": float(grad_norm), "response_len": n_tok / rollout.completion_ids_B_T.shape[0],
-                "truncated_frac": float(rollout.truncated_B.float().mean()), "tokens": n_tok,
+                "grad_norm": grad_norm, "response_len": n_tok / n_seq,
+                "truncated_frac": n_trunc / n_seq, "tokens": n_tok,
                 "tokens_per_s": n_tok / max(1e-9, last_step_s),
                 "time_rollout_s": t1 - t0, "time_score_s": t2 - t1, "time_update_s": t3 - t2,
-                "peak_mem_gb": _peak_memory_gb(run.device),
+                "peak_mem_gb": world.max(_peak_memory_gb(run.device))[0],
             }
             row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
             if align:
@@ -221,15 +397,15 @@ def _train_locked(cfg: Config, inputs, out: Path, log, progress: bool) -> TrainR
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('kl') or 0:.4f}", s=f"{last_step_s:.2f}")
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
+                publisher.wait()  # the previous export must have succeeded before we move the state on
+                _save_state(out, run, step, elapsed, data_pos, log)  # state first: see the module docstring
                 _publish(publisher, run, step, elapsed)
-                _save_state(out, run, step, elapsed, data_pos)
-        # the intended end: publish the final weights and wait until they are complete
-        if not any(c.name == f"checkpoint-{step}" for c in list_checkpoints(out / "checkpoints")) and step not in publisher.published:
+                published_step = step
+        # the intended end (also at step 0 when the wall budget is already spent): the final
+        # weights are saved and published, and we wait until the checkpoint is complete
+        if published_step != step:
+            publisher.wait()
+            _save_state(out, run, step, elapsed, data_pos, log)
             _publish(publisher, run, step, elapsed)
-        publisher.close()
-        _save_state(out, run, step, elapsed, data_pos)
-    kept = [c.name for c in list_checkpoints(out / "checkpoints")]
-    result = TrainResult("completed", reason, step, round(elapsed, 3), kept)
-    atomic_write_json(out / "run.json", result.__dict__)
-    log(f"training ended ({reason}) at step {step} after {elapsed:.1f}s; {surviving_checkpoints_message(out / 'checkpoints')}")
-    return result
+        publisher.close()  # raises PublishError if any export failed
+    return _finish(out, reason, step, elapsed, log, world)

@@ -1,0 +1,455 @@
+"""Scale-out: ``torchrun`` ranks, FSDP2 sharding, and the few collectives the training loop needs.
+
+``torchrun --nproc-per-node N -m opdkit train ...`` runs the same flat loop (``opdkit.train``) on
+every rank. Per step:
+
+- rank r rolls out, scores and back-propagates its share of the step's P prompts
+  (``World.share``: prompts ``r*P/N .. (r+1)*P/N - 1``), with the per-sample seeds of their global
+  sample indices, so the union of the ranks' samples is exactly a single-process run's;
+- the step's token count is summed over ranks before the loss, and every rank divides its summed
+  loss by ``global tokens / N``: FSDP averages gradients over the N ranks, so the update is the
+  token mean over the whole step, as in one process;
+- metrics are reduced over ranks; rank 0 alone writes them, saves the trainer state and publishes
+  checkpoints (the other ranks take part in gathering the full weights).
+
+The student is sharded with FSDP2 (``fully_shard`` on each decoder layer, then on the root, which
+owns the embeddings, the final norm and the head). The teacher is replicated (inference only) or
+sharded the same way (``runtime.teacher_sharding``). Rollouts need full weights: ``ShardedEngine``
+gathers them for the duration of ``sample`` (``full_params``), so generation itself runs no
+collectives and a rank that finishes early does not hold the others up.
+
+The trainer state is written in the single-process layout (full, unsharded weights or adapter, and
+the optimizer state keyed by parameter index), gathered with the ``torch.distributed.checkpoint``
+state-dict helpers: a run resumes under any world size that divides ``rollout.prompts_per_step``,
+including one process. Backend: NCCL on CUDA (``NCCL_NVLS_ENABLE=0`` unless set), gloo on CPU.
+
+Nothing here runs or imports ``torch.distributed`` state on import; a plain ``python -m opdkit``
+run never touches it (``World()`` is the single-process world).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from opdkit.config import Config, RuntimeConfig
+from opdkit.setup import Run, RunError, export_state_dict as _export_unsharded
+from opdkit.setup import make_optimizer, trainable_state as _trainable_unsharded
+from opdkit.teacher import unwrap
+
+def launched() -> bool:
+    """True inside a process started by ``torchrun`` (it sets RANK, WORLD_SIZE, LOCAL_RANK ...)."""
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the ranks; ``World()`` is a plain single-process run."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")  # where collectives' tensors live
+    active: bool = False  # a process group is up (launched by torchrun; then models are sharded)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, n: int) -> slice:
+        """This rank's contiguous share of ``n`` items (``n`` must be a multiple of ``size``)."""
+        if n % self.size:
+            raise RunError(f"{n} items cannot be split evenly over {self.size} ranks")
+        k = n // self.size
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+    def sum(self, *xs: float) -> tuple[float, ...]:
+        """Each of ``xs`` summed over ranks."""
+        return self._reduce(xs, "sum")
+
+    def max(self, *xs: float) -> tuple[float, ...]:
+        """Each of ``xs``: its largest value over ranks."""
+        return self._reduce(xs, "max")
+
+    def broadcast(self, *xs: float) -> tuple[float, ...]:
+        """Rank 0's values of ``xs`` on every rank (e.g. elapsed time: every rank must take the
+        same stop decision and the same wall-clock learning rate)."""
+        return self._reduce(xs, "broadcast")
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def from_main(self, obj):
+        """Rank 0's ``obj`` (picklable) on every rank: one decision for all (stop, resume, ...)."""
+        if not self.active:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _reduce(self, xs, op: str) -> tuple[float, ...]:
+        if not self.active:
+            return tuple(float(x) for x in xs)
+        import torch.distributed as dist
+
+        t = torch.tensor([float(x) for x in xs], dtype=torch.float64, device=self.device)
+        if op == "broadcast":
+            dist.broadcast(t, src=0)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return tuple(t.tolist())
+
+
+_WORLD = World()
+
+
+def init(rt: RuntimeConfig) -> World:
+    """Join the process group when launched by torchrun (else the single-process ``World()``).
+
+    CUDA (``runtime.device`` auto/cuda with a GPU): NCCL, one GPU per local rank. Otherwise gloo.
+    Idempotent.
+    """
+    global _WORLD
+    if _WORLD.active or not launched():
+        return _WORLD
+    import torch.distributed as dist
+
+    rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    use_cuda = rt.device == "cuda" or (rt.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RunError("runtime.device=cuda but CUDA is not available on this node; use runtime.device=auto or cpu")
+        if local >= torch.cuda.device_count():
+            raise RunError(f"local rank {local} has no GPU (this node has {torch.cuda.device_count()}); "
+                           "use --nproc-per-node <= the number of GPUs")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink SHARP/multicast (not available everywhere)
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30),
+                            **({"device_id": device} if use_cuda else {}))
+    _WORLD = World(rank, size, local, device, active=True)
+    return _WORLD
+
+
+def current() -> World:
+    """The world ``init`` joined (``World()`` before, or without torchrun)."""
+    return _WORLD
+
+
+def shutdown() -> None:
+    global _WORLD
+    if _WORLD.active:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _WORLD = World()
+
+
+def check_params(cfg: Config, world: World) -> None:
+    """What the world size requires of the params (raised before anything is written). Outside a
+    process group the size is ``WORLD_SIZE`` if set: ``WORLD_SIZE=N opdkit train --check`` checks
+    the params for a torchrun of N processes."""
+    n = world.size if world.active else int(os.environ.get("WORLD_SIZE", "1"))
+    P = cfg.rollout.prompts_per_step
+    if P % n:
+        raise RunError(f"rollout.prompts_per_step={P} must be a multiple of the number of ranks ({n}): "
+                       "every rank rolls out the same number of prompts")
+
+
+# --- sharding ---------------------------------------------------------------------------------
+
+
+def _fsdp_units(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model, world: World):
+    """FSDP2 in place: ``fully_shard`` each decoder layer, then the root (embeddings, final norm,
+    head and everything else). Returns ``model``.
+
+    ``opdkit.opd`` calls the decoder and the head directly, not the root's ``forward`` (hidden
+    states once, head logits chunk by chunk): a pre-hook on each gathers the root's parameters
+    first (a no-op while they are gathered; FSDP frees them again after backward).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    decoder, head = unwrap(model)
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for sub in (decoder, head):
+        sub.register_forward_pre_hook(lambda *_: model.unshard())
+    # FSDP's lazy initialisation makes the module whose forward runs first the root: run one token
+    # through the real root now (no grad, no RNG drawn), before anything calls a submodule.
+    with torch.no_grad(), torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=world.device), use_cache=False)
+    reshard(model)  # the root keeps its parameters gathered after a forward; parameters() must be the shards
+    return model
+
+
+@contextlib.contextmanager
+def full_params(model):
+    """Inside the block every parameter of a sharded ``model`` is gathered (plain full tensors, as in
+    an unsharded model) and forward passes run no collectives; sharded again on exit."""
+    units = _fsdp_units(model)
+    if not units:
+        yield model
+        return
+    units[0].set_reshard_after_forward(False)  # recursive: no unit frees its parameters after forward
+    for u in units:
+        u.unshard()
+    try:
+        yield model
+    finally:
+        for u in units[1:]:  # the root keeps FSDP's root setting (False); the layers go back to True
+            u.set_reshard_after_forward(True, recurse=False)
+        for u in units:
+            u.reshard()
+
+
+def reshard(model) -> None:
+    """Back to the sharded layout (the root of a model that only ran forward keeps its parameters
+    gathered until a backward; code that pairs parameters of two sharded models needs both sharded)."""
+    for u in _fsdp_units(model):
+        u.reshard()
+
+
+def _broadcast_module(model, world: World) -> None:
+    """Rank 0's parameters and buffers on every rank (e.g. a LoRA adapter initialised on each)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def trainable_names(model) -> list[str]:
+    """Names of the trainable parameters in optimizer order (``make_optimizer`` takes them in
+    ``parameters()`` order); FSDP2 keeps the names."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def shard_run(run: Run, world: World) -> Run:
+    """``run`` with its student (and teacher, per ``runtime.teacher_sharding``) sharded over the
+    ranks and a new optimizer over the sharded parameters that carries the old one's state (a
+    restored run's). Call after ``build_run`` and any restore, before the first step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    cfg = run.cfg
+    names = trainable_names(run.student)
+    old = run.optimizer.state_dict()
+    _broadcast_module(run.student, world)
+    shard_model(run.student, world)
+    if run.teacher is not run.student:
+        if run.ema is not None:  # the EMA teacher is updated parameter by parameter from the student: same layout
+            shard_model(run.teacher, world)
+        elif cfg.runtime.teacher_sharding == "fsdp":
+            shard_model(run.teacher, world)
+    optimizer = make_optimizer(cfg, run.student, run.device)
+    if old["state"]:
+        by_name = {
+            "state": {names[i]: s for i, s in old["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in old["param_groups"]],
+        }
+        set_optimizer_state_dict(run.student, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+        for g, g_old in zip(optimizer.param_groups, old["param_groups"]):  # hyperparameters exactly as they were
+            g.update({k: v for k, v in g_old.items() if k != "params"})
+    return dataclasses.replace(run, optimizer=optimizer)
+
+
+# --- rollouts ---------------------------------------------------------------------------------
+
+
+class ShardedEngine:
+    """A rollout engine over a sharded policy: the inner engine sees the full parameters.
+
+    ``HFEngine`` reads the live model while it samples (``generate`` or the static decoder's
+    refresh), so the whole ``sample`` runs under ``full_params``; an engine with its own copy of the
+    weights (vLLM) needs them only in ``sync_weights``. Every rank calls both at the same points of
+    the loop (gathering is collective).
+    """
+
+    def __init__(self, inner, model):
+        from opdkit.rollout import HFEngine
+
+        self.inner, self.model = inner, model
+        self.reads_live_model = isinstance(inner, HFEngine)
+
+    def sample(self, prompts, **kw):
+        with full_params(self.model) if self.reads_live_model else contextlib.nullcontext():
+            return self.inner.sample(prompts, **kw)
+
+    def sync_weights(self, model) -> None:
+        self.model = model
+        if self.reads_live_model:
+            self.inner.sync_weights(model)
+            return
+        with full_params(model):
+            self.inner.sync_weights(model)
+
+
+def wrap_engine(engine, model):
+    """``engine`` as is for an unsharded ``model``; a ``ShardedEngine`` around it otherwise."""
+    return ShardedEngine(engine, model) if is_sharded(model) else engine
+
+
+# --- optimisation -----------------------------------------------------------------------------
+
+
+def clip_grad_norm_(params, max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` over the (possibly sharded) parameters; the global norm."""
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    full = getattr(norm, "full_tensor", None)  # a DTensor for sharded parameters
+    return float(full() if full is not None else norm)
+
+
+def reduce_metrics(m: dict, world: World) -> dict:
+    """Combine ``opd.micro_losses`` metrics over ranks: ``tokens`` summed, ``loss`` summed / size
+    (each rank's loss is its token sum over ``global tokens / size``), ``*_max`` maxed, the rest
+    token-weighted means."""
+    if not world.active:
+        return m
+    parts = world.gather(m)
+    total = sum(p.get("tokens", 0.0) for p in parts)
+    out: dict = {"tokens": total, "loss": sum(p["loss"] for p in parts) / world.size}
+    for key in {k for p in parts for k in p} - {"tokens", "loss"}:
+        vals = [(p[key], p.get("tokens", 0.0)) for p in parts if p.get(key) is not None]
+        if not vals:
+            out[key] = None
+        elif key.endswith("_max"):
+            out[key] = max(v for v, _ in vals)
+        elif all(isinstance(v, (int, float)) for v, _ in vals):
+            w = sum(t for _, t in vals)
+            out[key] = sum(v * t for v, t in vals) / w if w else sum(v for v, _ in vals) / len(vals)
+        else:
+            out[key] = vals[0][0]  # not a number (never produced today): rank 0's
+    return out
+
+
+# --- gathering state (rank 0 receives; every rank must call) ----------------------------------
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The full, unsharded ``state_dict`` of ``model`` on rank 0's CPU ({} on other ranks); a CPU
+    copy of the plain ``state_dict`` for an unsharded model."""
+    if not is_sharded(model):
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    reshard(model)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """``setup.trainable_state`` of the unsharded model (adapter only with LoRA), on rank 0."""
+    if not is_sharded(model):
+        return _trainable_unsharded(model)
+    full = full_state_dict(model)
+    if not full or not hasattr(model, "merge_adapter"):
+        return full
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, state_dict=full)
+
+
+def optimizer_state(model, optimizer) -> dict:
+    """The optimizer's ``state_dict`` as one process would have it (state keyed by the index of
+    the parameter in optimizer order, full tensors), on rank 0 ({} on other ranks)."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    reshard(model)
+    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not full:
+        return {}
+    index = {n: i for i, n in enumerate(trainable_names(model))}
+    return {
+        "state": {index[n]: s for n, s in full["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]],
+    }
+
+
+def export_state_dict(model) -> dict[str, torch.Tensor]:
+    """``setup.export_state_dict`` of the unsharded model: plain weights named as the base model's,
+    LoRA merged in, on rank 0's CPU ({} on other ranks)."""
+    if not is_sharded(model):
+        return _export_unsharded(model)
+    full = full_state_dict(model)
+    if not full or not hasattr(model, "merge_adapter"):
+        return full
+    return merge_lora(model, full)
+
+
+def merge_lora(peft_model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base-model weights with the active LoRA adapters merged (W + scaling * B @ A), from the full
+    state dict of ``peft_model`` (keys ``base_model.model.<name>``): what ``merge_adapter`` and
+    ``get_base_model().state_dict()`` give on an unsharded model."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    prefix = "base_model.model."
+    out = {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in full.items() if "lora_" not in k}
+    for name, m in peft_model.get_base_model().named_modules():
+        if not hasattr(m, "lora_A") or getattr(m, "disable_adapters", False):
+            continue
+        if not isinstance(m, LoraLinear) or any(m.use_dora.get(a, False) for a in m.active_adapters):
+            raise NotImplementedError(f"merging {type(m).__name__} at {name}: only plain LoRA on Linear layers")
+        key = f"{name}.weight"
+        w = out[key].float()
+        for a in m.active_adapters:
+            if a not in m.lora_A:
+                continue
+            A, B = full[f"{prefix}{name}.lora_A.{a}.weight"].float(), full[f"{prefix}{name}.lora_B.{a}.weight"].float()
+            delta = B @ A
+            w = w + (delta.T if m.fan_in_fan_out else delta) * m.scaling[a]
+        out[key] = w.to(out[key].dtype)
+    return out
+
+
+class NullPublisher:
+    """The publisher of ranks other than 0: they gather weights with rank 0 but publish nothing."""
+
+    def submit(self, step: int, **kwargs) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Formal headless replay: one long OPD run from the fixed student under a wall-clock budget
+# (DESIGN.md, "run.sh"). A thin driver: `opdkit train` does the work; this maps the environment
+# to params overrides, runs it, and reports an honest exit status.
+#
+#   [STUDENT_MODEL=dir] [TEACHER_MODEL=dir] [TRAIN_DATA=file.parquet|.jsonl]
+#   [MAX_WALL_TIME_SECONDS=s] [DEADLINE_RESERVE_SECONDS=s] [OUTPUT_DIR=out/] [EXPERIMENT_NAME=name]
+#   [NPROC=1] [PARAMS=none|file.yaml] [PYTHON=python]  bash run.sh [key=value ...]
+#
+# Without the environment it trains the shipped embedded default. Running it again on the same
+# OUTPUT_DIR resumes from the trainer state there.
+#
+# Exit status: 0 only when training reached its intended end (step horizon or wall clock) and
+# the final checkpoint validates (`opdkit validate`); 2 bad input (one line; OUTPUT_DIR left as it
+# was); 75 another run holds OUTPUT_DIR; otherwise the trainer's own status (128+N if signal N
+# killed it), after a line that lists the checkpoints that survive and are valid.
+set -euo pipefail
+
+OUTPUT_DIR="${OUTPUT_DIR:-out}"
+NPROC="${NPROC:-1}"
+PYTHON="${PYTHON:-python}"
+# The replay runs opdkit's built-in defaults (a 180 s wall-clock budget), not the pipeline's
+# params.yaml (whose step horizon would end a wall-clock run early); PARAMS=file opts in.
+PARAMS="${PARAMS:-none}"
+
+say() { printf 'run.sh: %s\n' "$*"; }
+fail() { printf 'run.sh: %s\n' "$*" >&2; }
+
+if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
+    fail "error: NPROC must be a positive integer, got '$NPROC'"
+    exit 2
+fi
+
+args=(train --out "$OUTPUT_DIR")
+if [[ -n "$PARAMS" ]]; then args+=(-p "$PARAMS"); fi
+# env -> params overrides (first), then the trailing key=value arguments (they win)
+if [[ -n "${STUDENT_MODEL:-}" ]]; then args+=(-S "student.path=$STUDENT_MODEL"); fi
+if [[ -n "${TEACHER_MODEL:-}" ]]; then args+=(-S "teacher.path=$TEACHER_MODEL"); fi
+if [[ -n "${TRAIN_DATA:-}" ]]; then args+=(-S "data.train=$TRAIN_DATA"); fi
+if [[ -n "${MAX_WALL_TIME_SECONDS:-}" ]]; then args+=(-S "budget.max_wall_time_s=$MAX_WALL_TIME_SECONDS"); fi
+if [[ -n "${DEADLINE_RESERVE_SECONDS:-}" ]]; then args+=(-S "budget.deadline_reserve_s=$DEADLINE_RESERVE_SECONDS"); fi
+for kv in "$@"; do args+=(-S "$kv"); done
+
+if ((NPROC > 1)); then
+    # torchrun reports any worker failure as 1: check inputs and the lock first, so that bad input
+    # is still 2 and a held OUTPUT_DIR still 75.
+    check_status=0
+    "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
+    if ((check_status != 0)); then exit "$check_status"; fi
+    cmd=(torchrun --nproc-per-node "$NPROC" -m opdkit "${args[@]}")
+else
+    cmd=("$PYTHON" -m opdkit "${args[@]}")
+fi
+
+say "experiment ${EXPERIMENT_NAME:-(unnamed)}, output ${OUTPUT_DIR}"
+say "running: $(printf '%q ' "${cmd[@]}")"
+
+# Run the trainer in the background so that a SIGTERM/SIGINT/SIGHUP sent to this script reaches
+# it as SIGTERM (it then finishes a pending export and exits 143); background jobs of a
+# non-interactive shell ignore SIGINT, hence TERM. The first `wait` returns early when a trapped
+# signal arrives: wait again for the trainer's real status.
+"${cmd[@]}" &
+child=$!
+trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
+status=0
+wait "$child" || status=$?
+while kill -0 "$child" 2>/dev/null; do
+    status=0
+    wait "$child" || status=$?
+done
+trap - TERM INT HUP
+
+checkpoints_dir="$OUTPUT_DIR/checkpoints"
+
+list_survivors() {
+    local dirs=()
+    if [[ -d "$checkpoints_dir" ]]; then
+        mapfile -t dirs < <(find "$checkpoints_dir" -mindepth 1 -maxdepth 1 -type d -name 'checkpoint-*' | sort -V)
+    fi
+    if ((${#dirs[@]} == 0)); then
+        fail "no checkpoint survives in $checkpoints_dir"
+        return
+    fi
+    local valid=() line
+    while IFS= read -r line; do
+        if [[ "$line" == *": valid" ]]; then valid+=("$(basename "${line%: valid}")"); fi
+    done < <("$PYTHON" -m opdkit validate "${dirs[@]}" 2>/dev/null || true)
+    if ((${#valid[@]} == 0)); then
+        fail "no valid checkpoint survives in $checkpoints_dir"
+    else
+        fail "surviving valid checkpoints in $checkpoints_dir: ${valid[*]}"
+    fi
+}
+
+case "$status" in
+    0) ;;
+    2 | 75) exit "$status" ;; # bad input / locked: the trainer said why in one line, nothing ran
+    *)
+        if ((status > 128)); then
+            fail "training was killed by signal $((status - 128)) (exit $status)"
+        else
+            fail "training failed (exit $status)"
+        fi
+        list_survivors
+        exit "$status"
+        ;;
+esac
+
+# The trainer says it reached its end: check that the final checkpoint is really there.
+final_step=$("$PYTHON" -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["step"] if r.get("status") == "completed" else "")' \
+    "$OUTPUT_DIR/run.json" 2>/dev/null) || final_step=""
+if [[ -z "$final_step" ]]; then
+    fail "error: the trainer exited 0 but $OUTPUT_DIR/run.json does not record a completed run"
+    list_survivors
+    exit 1
+fi
+final="$checkpoints_dir/checkpoint-$final_step"
+newest=$(find "$checkpoints_dir" -mindepth 1 -maxdepth 1 -type d -name 'checkpoint-*' 2>/dev/null | sort -V | tail -n 1) || newest=""
+if [[ "$newest" != "$final" ]]; then
+    fail "error: the final checkpoint should be $final but the newest is ${newest:-none}"
+    list_survivors
+    exit 1
+fi
+if ! "$PYTHON" -m opdkit validate "$final"; then
+    fail "error: the final checkpoint $final does not validate"
+    list_survivors
+    exit 1
+fi
+say "done: training reached its end at step $final_step; final checkpoint $final"

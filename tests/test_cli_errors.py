@@ -1,0 +1,187 @@
+"""The exit-status contract, with real processes: bad inputs fail before any training with one
+line and leave OUTPUT_DIR as it was (exit 2); publish failures (injected into a real trainer
+process by patching ``publish._write_safetensors``) are retried when transient and give a
+non-zero exit naming the surviving checkpoints when they persist; ``validate`` rejects a stub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from opdkit.embedded import asset
+from opdkit.publish import is_valid_checkpoint, list_checkpoints
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+        "runtime.threads=1", "optim.schedule=constant", "budget.max_wall_time_s=0"]
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "PARAMS",
+                                                           "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS",
+                                                           "OUTPUT_DIR", "NPROC", "EXPERIMENT_NAME")}
+    e.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    e.update(extra)
+    return e
+
+
+def snapshot(root: Path) -> dict | None:
+    """Every path under ``root`` with its bytes and mtime (None if ``root`` does not exist)."""
+    if not root.exists():
+        return None
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))} | {".": root.stat().st_mtime_ns}
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bad_inputs")
+    (d / "no_weights").mkdir()
+    (d / "no_weights" / "config.json").write_text((asset("student") / "config.json").read_text())
+    (d / "table.csv").write_text("prompt,answer\n1+1,2\n")
+    (d / "garbage.parquet").write_bytes(b"this is not parquet\n")
+    (d / "no_prompt.jsonl").write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    (d / "empty.jsonl").write_text("")
+    return d
+
+
+# (env, trailing args, what the one line must name)
+BAD_INPUTS = {
+    "model dir without weights": ({"STUDENT_MODEL": "{bad}/no_weights"}, [], "has no weights"),
+    "missing model path": ({"TEACHER_MODEL": "{bad}/nowhere"}, [], "does not exist"),
+    "missing data path": ({"TRAIN_DATA": "{bad}/nowhere.parquet"}, [], "does not exist"),
+    "data not parquet/jsonl": ({"TRAIN_DATA": "{bad}/table.csv"}, [], "table.csv: expected a .parquet"),
+    "corrupt parquet": ({"TRAIN_DATA": "{bad}/garbage.parquet"}, [], "not a readable parquet"),
+    "jsonl without needed columns": ({"TRAIN_DATA": "{bad}/no_prompt.jsonl"}, [], "expected a 'prompt' column"),
+    "data with no rows": ({"TRAIN_DATA": "{bad}/empty.jsonl"}, [], "has no rows"),
+    "unknown override key": ({}, ["budget.max_stepz=3"], "unknown params key 'budget.max_stepz'"),
+    "override of the wrong type": ({}, ["budget.max_steps=many"], "'budget.max_steps': expected int"),
+    "env of the wrong type": ({"MAX_WALL_TIME_SECONDS": "soon"}, [], "'budget.max_wall_time_s': expected float"),
+    "missing params file": ({"PARAMS": "{bad}/nowhere.yaml"}, [], "does not exist"),
+}
+
+
+EXISTING_DIR_CASES = ("model dir without weights", "corrupt parquet", "unknown override key")
+CASES = [(case, False) for case in BAD_INPUTS] + [(case, True) for case in EXISTING_DIR_CASES]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(bad, tmp_path_factory) -> dict:
+    """run.sh once per case, three at a time (each is a process that imports torch: seconds).
+    With ``existing``, OUTPUT_DIR holds what an earlier run leaves behind, the lock file included."""
+    def one(case: str, existing: bool):
+        env_vars, args, _ = BAD_INPUTS[case]
+        cwd = tmp_path_factory.mktemp("bad_input_run")
+        out = cwd / "out"
+        if existing:
+            (out / "metrics").mkdir(parents=True)
+            (out / "metrics" / "train.jsonl").write_text('{"step": 1}\n')
+            (out / "config.yaml").write_text("seed: 0\n")
+            (out / ".opdkit.lock").write_text("")
+        before = snapshot(out)
+        proc = subprocess.run(["bash", str(REPO / "run.sh"), "budget.max_steps=2", *args], cwd=cwd, text=True,
+                              capture_output=True, timeout=180,
+                              env=env(OUTPUT_DIR=str(out), **{k: v.format(bad=bad) for k, v in env_vars.items()}))
+        return proc, before, snapshot(out)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {key: pool.submit(one, *key) for key in CASES}
+        return {key: f.result() for key, f in futures.items()}
+
+
+@pytest.mark.parametrize("case,existing", CASES, ids=[f"{c}-{'existing' if e else 'fresh'}-dir" for c, e in CASES])
+def test_bad_input_fails_with_one_line_and_leaves_output_dir_as_it_was(bad_input_runs, case, existing):
+    proc, before, after = bad_input_runs[case, existing]
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("opdkit: error: "), proc.stderr
+    assert BAD_INPUTS[case][2] in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "resolved config" not in proc.stdout  # nothing started
+    assert after == before  # absent stays absent; existing is unchanged, byte for byte and mtime
+    assert (before is None) != existing
+
+
+def test_bad_nproc_is_refused_by_run_sh(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "run.sh")], cwd=tmp_path, text=True, capture_output=True, timeout=30,
+                          env=env(OUTPUT_DIR=str(tmp_path / "out"), NPROC="two"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "NPROC" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_validate_rejects_a_stub_with_the_reason(tmp_path):
+    stub = tmp_path / "checkpoint-7"
+    stub.mkdir()
+    (stub / "config.json").write_text((asset("student") / "config.json").read_text())
+    (stub / "model.safetensors").write_bytes(b"\0" * 4)  # a weights file cut short
+    good = asset("student")
+    proc = subprocess.run([sys.executable, "-m", "opdkit", "validate", str(good), str(stub)], text=True,
+                          capture_output=True, timeout=120, env=env())
+    assert proc.returncode == 1  # run.sh's exit 0 path covers a valid one alone
+    assert proc.stdout.splitlines() == [f"{good}: valid", f"{stub}: INVALID: model.safetensors is 4 bytes: "
+                                        "not a safetensors file (truncated?)"]
+
+
+# --- injected publish failures in a real trainer process ------------------------------------
+
+INJECT = textwrap.dedent("""
+    import errno, sys
+    import opdkit.publish as p
+    real, calls = p._write_safetensors, []
+    def flaky(path, tensors):
+        calls.append(path)
+        if {fail}:
+            raise OSError(errno.ECOMM, "Communication error on send", str(path))
+        return real(path, tensors)
+    p._write_safetensors = flaky
+    from opdkit.cli import main
+    raise SystemExit(main(sys.argv[1:]))
+""")
+
+
+def run_injected(fail: str, out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    args = ["train", "--out", str(out), "--quiet"] + [x for o in TINY + list(overrides) for x in ("-S", o)]
+    return subprocess.run([sys.executable, "-c", INJECT.format(fail=fail), *args], cwd=out.parent, text=True,
+                          capture_output=True, timeout=300, env=env())
+
+
+def test_transient_publish_error_is_retried_and_the_run_succeeds(tmp_path):
+    out = tmp_path / "out"
+    proc = run_injected("len(calls) == 1", out, "budget.max_steps=1", "publish.backoff_s=0.01")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "transient I/O error" in proc.stdout and "Communication error on send" in proc.stdout
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1"]
+    assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-1") == (True, "ok")
+    assert json.loads((out / "run.json").read_text())["status"] == "completed"
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_persistent_publish_error_fails_naming_survivors_then_a_rerun_recovers(tmp_path):
+    out = tmp_path / "out"
+    steps = ["budget.max_steps=3", "publish.every_steps=1", "publish.retries=2", "publish.backoff_s=0.01"]
+    proc = run_injected("len(calls) >= 2", out, *steps)  # checkpoint-1 is written, every later write fails
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "publishing checkpoint-2" in last and "gave up" in last and "surviving valid checkpoints: checkpoint-1" in last
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1"]
+    assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-1") == (True, "ok")
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+
+    # the file system is back: the same command resumes, publishes the missing step, finishes
+    proc = run_injected("False", out, *steps)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    steps_logged = [json.loads(ln)["step"] for ln in (out / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert steps_logged == [1, 2, 3]

@@ -1,0 +1,264 @@
+"""Scale-out (opdkit.distributed): FSDP2 sharding, gathering state, and torchrun runs on CPU/gloo.
+
+Fast tier: a world of one process (gloo, in this process) exercises the sharded code paths: the
+direct decoder/head calls of the loss through FSDP2, gathered trainer state and exports equal to an
+unsharded model's, full parameters for rollouts.
+
+Slow tier: ``torchrun --nproc-per-node 2 -m opdkit train`` on the embedded default: after one step
+the loss and the weights match a single-process run over the same global batch; the 2-process run
+publishes valid checkpoints, resumes (2 processes, and 1 process from a 2-process state), and ends
+with the single-process run's weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from opdkit import distributed
+from opdkit.config import load_config
+from opdkit.embedded import asset
+from opdkit.models import load_model
+from opdkit.publish import validate_checkpoint
+from opdkit.setup import RunError, export_state_dict, make_optimizer, trainable_state
+from opdkit.teacher import unwrap
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=24", "runtime.threads=1",
+        "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=1"]
+WEIGHT_TOL = 1e-6  # fp32 on CPU: only the order of float sums differs between 1 and 2 processes
+
+
+# --- single process: World() ------------------------------------------------------------------
+
+
+def test_the_single_process_world_is_the_identity():
+    w = distributed.World()
+    assert (w.rank, w.size, w.is_main, w.active) == (0, 1, True, False)
+    assert w.share(8) == slice(0, 8)
+    assert w.sum(3, 4.5) == (3.0, 4.5) and w.broadcast(2.0) == (2.0,) and w.from_main("x") == "x"
+    m = {"loss": 1.0, "tokens": 5.0}
+    assert distributed.reduce_metrics(m, w) is m
+
+
+def test_ranks_share_the_prompts_contiguously_and_the_count_must_divide(monkeypatch):
+    shares = [distributed.World(rank=r, size=4).share(8) for r in range(4)]
+    assert [list(range(8))[s] for s in shares] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(RunError, match=r"multiple of the number of ranks \(4\)"):
+        distributed.check_params(load_config(None, ["rollout.prompts_per_step=6"]), distributed.World(size=4, active=True))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # `WORLD_SIZE=4 opdkit train --check`, before torchrun starts
+    with pytest.raises(RunError, match=r"multiple of the number of ranks \(4\)"):
+        distributed.check_params(load_config(None, ["rollout.prompts_per_step=6"]), distributed.World())
+
+
+def test_metrics_are_token_weighted_over_ranks(monkeypatch):
+    w = distributed.World(size=2, active=True)
+    parts = [{"loss": 0.2, "tokens": 10.0, "kl": 1.0, "ratio_max": 2.0, "x": None},
+             {"loss": 0.4, "tokens": 30.0, "kl": 3.0, "ratio_max": 5.0, "x": None}]
+    monkeypatch.setattr(distributed.World, "gather", lambda self, obj: parts)
+    out = distributed.reduce_metrics(parts[0], w)
+    assert out["tokens"] == 40.0 and out["loss"] == pytest.approx(0.3)  # each rank's loss is over global tokens / 2
+    assert out["kl"] == pytest.approx((10 * 1 + 30 * 3) / 40) and out["ratio_max"] == 5.0 and out["x"] is None
+
+
+# --- a world of one process: the sharded code paths --------------------------------------------
+
+
+@pytest.fixture
+def world1():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield distributed.World(rank=0, size=1, device=torch.device("cpu"), active=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _student(lora: bool):
+    torch.manual_seed(0)
+    model = load_model(asset("student"), torch.device("cpu"), trainable=True)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+        with torch.no_grad():  # a trained adapter: B != 0, so merging changes the weights
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+    return model.train()
+
+
+def _loss_as_opd_computes_it(model) -> torch.Tensor:
+    """The decoder and the head called directly (not the root's forward), head chunk by chunk."""
+    decoder, head = unwrap(model)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    h = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    h_leaf = h.detach().requires_grad_(True)
+    total = 0.0
+    for s in range(0, 6, 4):
+        logp = head(h_leaf[:, s:s + 4]).float().log_softmax(-1)
+        loss = -logp.gather(-1, ids[:, s:s + 4, None]).mean()
+        loss.backward()
+        total += float(loss)
+    h.backward(h_leaf.grad)
+    return total
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_sharded_step_and_its_gathered_state_equal_the_unsharded_ones(world1, lora):
+    cfg = load_config(None, ["optim.lr=0.01", f"lora.enabled={str(lora).lower()}"])
+    plain = _student(lora)
+    sharded = copy.deepcopy(plain)
+    distributed.shard_model(sharded, world1)
+    assert distributed.is_sharded(sharded) and not distributed.is_sharded(plain)
+    assert type(next(sharded.parameters())).__name__ == "DTensor"
+    opts = [make_optimizer(cfg, m, torch.device("cpu")) for m in (plain, sharded)]
+    for _ in range(2):  # two steps: the second reads the optimizer state the first wrote
+        losses = [_loss_as_opd_computes_it(m) for m in (plain, sharded)]
+        assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+        norms = [distributed.clip_grad_norm_([p for p in m.parameters() if p.requires_grad], 1.0) for m in (plain, sharded)]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+    def assert_close(a: dict, b: dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.allclose(a[k].float(), b[k].float(), atol=1e-6), k
+
+    assert_close(trainable_state(plain), distributed.trainable_state(sharded))
+    assert_close(export_state_dict(plain), distributed.export_state_dict(sharded))
+    o_plain, o_sharded = opts[0].state_dict(), distributed.optimizer_state(sharded, opts[1])
+    assert o_plain["param_groups"] == o_sharded["param_groups"]
+    assert o_plain["state"].keys() == o_sharded["state"].keys()
+    for i in o_plain["state"]:
+        assert_close(o_plain["state"][i], o_sharded["state"][i])
+
+
+def test_full_params_gives_plain_full_tensors_for_generation_and_shards_again(world1):
+    plain = _student(lora=False).eval()
+    sharded = distributed.shard_model(copy.deepcopy(plain), world1)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with distributed.full_params(sharded):
+        assert all(type(p) is torch.nn.Parameter for p in sharded.parameters())
+        out = sharded.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, plain.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+    assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
+
+
+def test_shard_run_carries_a_restored_optimizer_state_over(world1):
+    from opdkit.setup import Run, build_run, prepare_inputs
+
+    cfg = load_config(None, ["runtime.threads=1", "budget.max_steps=1", "optim.lr=0.01"])
+    run = build_run(cfg, prepare_inputs(cfg), log=lambda *_: None)
+    _loss_as_opd_computes_it(run.student)
+    run.optimizer.step()
+    before = copy.deepcopy(run.optimizer.state_dict())
+    sharded: Run = distributed.shard_run(run, world1)
+    assert sharded.optimizer is not run.optimizer and sharded.student is run.student
+    after = distributed.optimizer_state(sharded.student, sharded.optimizer)
+    assert after["param_groups"] == before["param_groups"]
+    for i, s in before["state"].items():
+        for k, v in s.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+
+
+# --- torchrun, 2 processes ---------------------------------------------------------------------
+
+
+def _torchrun(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "opdkit", "train", "--out", str(out), "--quiet"]
+    for kv in [*TINY, *overrides]:
+        cmd += ["-S", kv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _single(out: Path, *overrides: str):
+    from opdkit.train import train
+
+    return train(load_config(None, [*TINY, *overrides]), out, log=lambda *_: None, progress=False)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics" / "train.jsonl").read_text().splitlines()]
+
+
+def _max_weight_diff(a: Path, b: Path) -> float:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process, 2 steps over the same global batches (a checkpoint per step)."""
+    out = tmp_path_factory.mktemp("single") / "out"
+    assert _single(out, "budget.max_steps=2", "runtime.teacher_sharding=fsdp").step == 2
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_then_publish_and_resume(tmp_path, reference):
+    out = tmp_path / "out"
+    r = _torchrun(out, "budget.max_steps=1", "runtime.teacher_sharding=fsdp")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 1  # rank 0 alone prints the result
+
+    ref, two = _rows(reference)[0], _rows(out)[0]
+    d_loss, d_w = abs(ref["loss"] - two["loss"]), _max_weight_diff(reference / "checkpoints/checkpoint-1",
+                                                                     out / "checkpoints/checkpoint-1")
+    print(f"1 vs 2 processes after one step: max |dloss| {d_loss:.3g}, max |dweight| {d_w:.3g}")
+    assert ref["tokens"] == two["tokens"] and ref["truncated_frac"] == two["truncated_frac"]  # the same samples
+    assert d_loss < 1e-6 and d_w < WEIGHT_TOL
+    assert ref["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-5)
+    validate_checkpoint(out / "checkpoints/checkpoint-1")
+    assert json.loads((out / "run.json").read_text())["status"] == "completed"
+
+    # the 2-process state resumes under 1 process (another world size) ...
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    assert _single(other, "budget.max_steps=2", "runtime.teacher_sharding=fsdp").step == 2
+    # ... and under 2 processes; both end with the single-process run's weights
+    r = _torchrun(out, "budget.max_steps=2", "runtime.teacher_sharding=fsdp")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert [row["step"] for row in _rows(out)] == [1, 2]
+    validate_checkpoint(out / "checkpoints/checkpoint-2")
+    for d in (out, other):
+        d_w = _max_weight_diff(reference / "checkpoints/checkpoint-2", d / "checkpoints/checkpoint-2")
+        print(f"{d.name}: after resuming to step 2, max |dweight| vs one process {d_w:.3g}")
+        assert d_w < WEIGHT_TOL
+        assert _rows(d)[1]["loss"] == pytest.approx(_rows(reference)[1]["loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_with_lora_match_one(tmp_path):
+    ref, out = tmp_path / "single", tmp_path / "two"
+    overrides = ["budget.max_steps=1", "lora.enabled=true", "optim.lr=0.01", "loss.name=k1", "optim.micro_batch=2"]
+    _single(ref, *overrides)
+    r = _torchrun(out, *overrides)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    d_loss = abs(_rows(ref)[0]["loss"] - _rows(out)[0]["loss"])
+    d_w = _max_weight_diff(ref / "checkpoints/checkpoint-1", out / "checkpoints/checkpoint-1")
+    print(f"LoRA, 1 vs 2 processes: max |dloss| {d_loss:.3g}, max |dweight| {d_w:.3g}")
+    assert d_loss < 1e-6 and d_w < WEIGHT_TOL
+    validate_checkpoint(out / "checkpoints/checkpoint-1")
+
+
+@pytest.mark.slow
+def test_a_world_size_that_does_not_divide_the_prompts_is_bad_input(tmp_path):
+    r = _torchrun(tmp_path / "out", "budget.max_steps=1", "rollout.prompts_per_step=3")
+    assert r.returncode != 0 and "multiple of the number of ranks (2)" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,136 @@
+"""Every analysis notebook, executed by papermill on small inputs, and the metrics JSON it writes.
+
+A module fixture makes real inputs once: two 3-step training runs of the shipped student and their
+evals (plus the student before training and the teacher), on a few eval questions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from opdkit.cli import main
+from opdkit.config import load_config
+from opdkit.embedded import asset
+from opdkit.report import per_question_correct, report, train_metrics
+from opdkit.stats import paired_question_diff
+from opdkit.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+SEEDS = (0, 1)
+TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=16",
+        "budget.max_steps=3", "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=0",
+        "runtime.threads=1"]
+EVAL = ["eval.n_samples=2", "eval.max_new_tokens=16", "eval.max_questions=6", "runtime.threads=1"]
+
+pytestmark = pytest.mark.slow  # each notebook starts a kernel and imports torch (~10 s)
+
+
+def execute(name: str, workdir: Path, **parameters) -> dict:
+    """Run notebooks/<name>.ipynb with papermill in ``workdir`` (the executed copy goes there too);
+    return the metrics JSON it wrote into its ``out_dir`` parameter."""
+    import papermill
+
+    papermill.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(workdir / f"{name}.ipynb"),
+                               parameters=parameters, kernel_name="python3", progress_bar=False, cwd=str(workdir))
+    metrics_name = "notebook_metrics.json" if name.startswith("study_") else "metrics.json"
+    return json.loads((Path(parameters["out_dir"]) / metrics_name).read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nb_runs")
+    for seed in SEEDS:
+        train(load_config(None, [*TINY, f"seed={seed}"]), root / "train" / f"seed{seed}", log=lambda *a: None,
+              progress=False)
+        ck = root / "train" / f"seed{seed}" / "checkpoints" / "checkpoint-3"
+        assert main(["eval", "--model", str(ck), "--out", str(root / "eval" / "rkl" / f"seed{seed}.json"),
+                     "--tag", "arm=rkl", "--tag", f"seed={seed}", "--quiet", *sum((["-S", s] for s in EVAL), [])]) == 0
+    for arm, model in (("before", asset("student")), ("teacher", asset("teacher"))):
+        assert main(["eval", "--model", str(model), "--out", str(root / "eval" / "reference" / f"{arm}.json"),
+                     "--tag", f"arm={arm}", "--quiet", *sum((["-S", s] for s in EVAL), [])]) == 0
+    return root
+
+
+def test_every_notebook_has_one_parameters_cell_and_is_tested():
+    tested = {"training_dynamics", "eval_comparison", "repeat_runs", "rollout_inspection", "study_padding",
+              "study_clipped_mass"}
+    assert {p.stem for p in NOTEBOOKS.glob("*.ipynb")} == tested
+    for p in NOTEBOOKS.glob("*.ipynb"):
+        nb = nbformat.read(p, as_version=4)
+        tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{p.name}: {len(tagged)} parameters cells"
+        code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+        assert "from opdkit" in code and "\ndef " not in "\n" + code, f"{p.name}: define functions in opdkit"
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{p.name} is saved with outputs"
+
+
+def test_training_dynamics(runs, tmp_path):
+    m = execute("training_dynamics", tmp_path, runs=[str(runs / "train")], out_dir=str(tmp_path / "out"))
+    assert m["n_runs"] == 2 and set(m["runs"]) == {"rkl seed 0", "rkl seed 1"}
+    rows = train_metrics(runs / "train" / "seed1")
+    got = m["runs"]["rkl seed 1"]
+    assert got["steps"] == 3 and got["kl_first10"] == pytest.approx(sum(r["kl"] for r in rows) / 3)
+    assert (tmp_path / "out" / "training_dynamics.png").stat().st_size > 10_000
+
+
+def test_eval_comparison(runs, tmp_path):
+    ev = runs / "eval"
+    m = execute("eval_comparison", tmp_path, before=str(ev / "reference" / "before.json"),
+                teacher=str(ev / "reference" / "teacher.json"), after=[str(ev / "rkl")], out_dir=str(tmp_path / "out"))
+    before = json.loads((ev / "reference" / "before.json").read_text())
+    teacher = json.loads((ev / "reference" / "teacher.json").read_text())
+    after = [json.loads((ev / "rkl" / f"seed{s}.json").read_text())["accuracy"] for s in SEEDS]
+    assert m["before_accuracy"] == before["accuracy"] and m["teacher_accuracy"] == teacher["accuracy"]
+    assert m["after_mean_accuracy"] == pytest.approx(sum(after) / 2)
+    ref = paired_question_diff(per_question_correct(ev / "rkl" / "seed1.json"),
+                               per_question_correct(ev / "reference" / "before.json"))
+    assert m["after_minus_before"]["rkl seed 1"]["diff"] == pytest.approx(ref["diff"])
+    assert (tmp_path / "out" / "eval_comparison.png").is_file()
+
+
+def test_repeat_runs(runs, tmp_path):
+    ev = runs / "eval"
+    m = execute("repeat_runs", tmp_path, evals=[str(ev / "rkl"), str(ev / "reference" / "before.json")],
+                baseline="rkl", out_dir=str(tmp_path / "out"))
+    ref = report([ev / "rkl", ev / "reference" / "before.json"], baseline="rkl")
+    assert m["groups"]["rkl"]["n"] == 2 and m["groups"]["rkl"]["mean"] == pytest.approx(ref["groups"]["rkl"]["mean"])
+    assert m["groups"]["rkl"]["se"] == pytest.approx(ref["groups"]["rkl"]["se"])
+    assert m["comparisons"] == {}  # `before` has one run: summarised, not compared
+    assert (tmp_path / "out" / "repeat_runs.png").is_file()
+
+
+def test_rollout_inspection(runs, tmp_path):
+    after = runs / "train" / "seed0" / "checkpoints" / "checkpoint-3"
+    m = execute("rollout_inspection", tmp_path, students={"after": str(after), "teacher": str(asset("teacher"))},
+                teacher=str(asset("teacher")), data=str(asset("eval")), n_prompts=3, params_file="none.yaml",
+                overrides=["runtime.threads=1", "rollout.max_new_tokens=24"], out_dir=str(tmp_path / "out"))
+    assert m["after"]["n_samples"] == 3 and 0 < m["after"]["n_tokens"] <= 3 * 24
+    assert m["after"]["mean_delta"] < 0  # the teacher disagrees with some of what the student samples
+    assert m["teacher"]["mean_delta"] == 0.0 and m["teacher"]["min_delta"] == 0.0  # a model scored against itself
+    html = (tmp_path / "rollout_inspection.ipynb").read_text()
+    assert "background:rgba(" in html  # the coloured tokens are in the executed notebook
+    assert (tmp_path / "out" / "token_delta.png").is_file()
+
+
+def test_study_padding_notebook_runs_the_study(tmp_path):
+    m = execute("study_padding", tmp_path, out_dir=str(tmp_path / "out"), params_file="none.yaml",
+                overrides=["studies.n_prompts=3", "studies.samples_per_prompt=1", "studies.padding_k=[0, 4]",
+                           "rollout.max_new_tokens=16", "runtime.threads=1"])
+    assert m["kl_right_k0"] == 0.0 and m["alignment_passed"] is True
+    assert m["kl_left_max_abs"] < 1e-4 and m["signal_kl"] > 0
+    assert (tmp_path / "out" / "padding.json").is_file() and (tmp_path / "out" / "padding_kl.png").is_file()
+
+
+def test_study_clipped_mass_notebook_runs_the_study(tmp_path):
+    m = execute("study_clipped_mass", tmp_path, out_dir=str(tmp_path / "out"), params_file="none.yaml",
+                overrides=["studies.n_prompts=3", "studies.samples_per_prompt=1", "studies.clip_tau=[0.0, 0.05, .inf]",
+                           "rollout.max_new_tokens=16", "runtime.threads=1"])
+    assert m["clipped_mass"]["inf"] == 0.0 and m["clipped_mass"]["0.0"] > 0
+    assert m["grad_cosine"]["inf"] == pytest.approx(1.0, abs=1e-5) and m["n_positions"] > 0
+    assert not math.isnan(m["kl_mean"])

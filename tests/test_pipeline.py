@@ -1,0 +1,246 @@
+"""The DVC pipeline (dvc.yaml): its declarations, the data-subset stage, and a real `dvc repro` on tiny
+params in a temporary copy of the repository (slow): outputs, a second repro that does nothing, a loss
+param that invalidates only the training stages, the same seed giving the same metrics, and
+each stage importing only opdkit code it declares as a dependency."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opdkit.config import ConfigError, parse_override
+from opdkit.data import fingerprint, load_examples
+from opdkit.stages import subset
+
+ROOT = Path(__file__).resolve().parents[1]
+# package __init__s that hold only a docstring (and __version__): imported by every stage below them
+NOT_A_CODE_DEP = {"opdkit/__init__.py", "opdkit/stages/__init__.py"}
+
+
+def _stages(root: Path):
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return [(st.name, st.cmd, list(st.deps)) for st in repo.index.stages]
+
+
+def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
+    stages = _stages(ROOT)
+    names = {name.split("@")[0] for name, _, _ in stages}
+    assert {"embedded", "data", "train", "eval_reference", "eval", "report", "study_padding", "study_clipped_mass",
+            "nb_training_dynamics", "nb_eval_comparison", "nb_repeat_runs", "nb_rollout_inspection",
+            "nb_study_padding", "nb_study_clipped_mass"} <= names
+    for name, cmd, deps in stages:
+        absolute = [w for w in cmd.replace("=", " ").replace(":", " ").split() if w.lstrip("\"'{[").startswith("/")]
+        assert not absolute and not any(Path(d.def_path).is_absolute() for d in deps), f"stage {name}: {absolute}"
+        for d in deps:
+            if type(d).__name__ == "ParamsDependency":
+                for key in d.params:
+                    try:
+                        parse_override(f"{key}=0")  # checks that the dotted key exists
+                    except ConfigError as e:
+                        raise AssertionError(f"stage {name}: params key {key!r} is not a config key: {e}") from None
+            elif d.def_path.startswith(("opdkit/", "notebooks/")):
+                assert (ROOT / d.def_path).exists(), f"stage {name}: code dep {d.def_path} does not exist"
+
+
+def test_every_seed_and_arm_gets_a_train_and_an_eval_stage():
+    names = [name for name, _, _ in _stages(ROOT)]
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    arms = dict.fromkeys([params["loss"]["name"], params["pipeline"]["baseline_arm"]])
+    assert len(params["pipeline"]["seeds"]) >= 3
+    # deterministic runs: a step horizon (the evals read checkpoint-<max_steps>), no wall clock, a step schedule
+    assert params["budget"]["max_steps"] > 0 and params["budget"]["max_wall_time_s"] == 0
+    assert params["optim"]["schedule"] in ("constant", "linear", "cosine")
+    for arm in arms:
+        for seed in params["pipeline"]["seeds"]:
+            assert f"train@{arm}-{seed}" in names and f"eval@{arm}-{seed}" in names
+
+
+def test_subset_stage_selects_like_the_commands_and_pins_a_fingerprint(tmp_path):
+    rows = [{"id": str(i), "prompt": f"Compute {i}+1.", "answer": str(i + 1) if i % 3 else f"{i}.5",
+             "solution": "x" * i, "source": "a" if i % 2 else "b"} for i in range(12)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"data": {"filters": {"integer_answers": True, "exclude_sources": ["b"]},
+                                               "max_rows": 3}}))
+    out = tmp_path / "out"
+    argv = ["--train", str(src), "--eval", str(src), "--out-train", str(out / "train.parquet"),
+            "--out-eval", str(out / "eval.parquet"), "--info", str(out / "subset.json"), "-p", str(params)]
+    assert subset.main(argv) == 0
+    info = json.loads((out / "subset.json").read_text())
+    from opdkit.config import load_config
+
+    data_cfg = load_config(params).data
+    chosen = load_examples(src, data_cfg)
+    assert [ex.id for ex in chosen] == ["1", "5", "7"]  # odd ids (source a), integer answers, first 3
+    got = load_examples(out / "train.parquet", data_cfg)
+    assert got == chosen and info["train"]["rows"] == 3 and info["train"]["fingerprint"] == fingerprint(chosen)
+    first = (out / "train.parquet").read_bytes()
+    assert subset.main(argv) == 0 and (out / "train.parquet").read_bytes() == first  # same bytes again
+
+
+# --- a real `dvc repro` on tiny params -------------------------------------------------------------
+
+TINY = {
+    "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 16},
+    "budget": {"max_steps": 3, "max_wall_time_s": 0.0},
+    "publish": {"every_steps": 2},
+    "eval": {"n_samples": 2, "max_new_tokens": 48, "max_questions": 6},
+    "runtime": {"threads": 1},
+    "studies": {"n_prompts": 3, "samples_per_prompt": 1, "padding_k": [0, 2], "clip_tau": [0.0, 0.1, ".inf"]},
+    "pipeline": {"seeds": [0, 1]},
+}
+
+# Logs, per DVC stage (DVC sets DVC_STAGE for each command; notebook kernels inherit it), each opdkit
+# module its processes import, as it is imported (kernels may end without running atexit handlers).
+SITECUSTOMIZE = '''
+import os, sys
+_stage, _log = os.environ.get("DVC_STAGE"), os.environ.get("OPDKIT_IMPORT_LOG")
+if _stage and _log:
+    _path = os.path.join(_log, f"{os.getpid()}.txt")
+    _busy = []
+    def _hook(event, args):
+        if event == "import" and not _busy and (args[0] == "opdkit" or str(args[0]).startswith("opdkit.")):
+            _busy.append(1)
+            try:
+                with open(_path, "a") as f:
+                    f.write(f"{_stage} {args[0]}\\n")
+            finally:
+                _busy.pop()
+    sys.addaudithook(_hook)
+'''
+
+
+def _module_file(repo: Path, module: str) -> str:
+    """``opdkit.studies.padding`` -> ``opdkit/studies/padding.py`` (a package: its ``__init__.py``)."""
+    rel = Path(*module.split("."))
+    return (rel / "__init__.py" if (repo / rel).is_dir() else rel.with_suffix(".py")).as_posix()
+
+
+def _merge(base: dict, top: dict) -> dict:
+    return {k: _merge(base[k], v) if isinstance(v, dict) else v for k, v in top.items()} | {
+        k: v for k, v in base.items() if k not in top}
+
+
+def _copy_repo(dst: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
+    for name in ("opdkit", "notebooks"):
+        shutil.copytree(ROOT / name, dst / name, ignore=ignore)
+    for name in ("dvc.yaml", "params.yaml", ".dvcignore"):
+        shutil.copy2(ROOT / name, dst / name)
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    (dst / "params.yaml").write_text(yaml.safe_dump(_merge(params, TINY), sort_keys=False))
+    (dst / ".gitignore").write_text("/runs/\n")
+
+
+def _env(tmp: Path) -> dict:
+    hook = tmp / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (tmp / "imports").mkdir(exist_ok=True)
+    e = dict(os.environ)
+    e.update(PYTHONPATH=os.pathsep.join([str(tmp / "repo"), str(hook)]),  # the copy's opdkit, not the installed one
+             OPDKIT_IMPORT_LOG=str(tmp / "imports"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+             HF_HUB_OFFLINE="1", DVC_NO_ANALYTICS="1", PYTHONDONTWRITEBYTECODE="1")
+    return e
+
+
+def _run(args: list[str], cwd: Path, env: dict, timeout: float = 600) -> str:
+    proc = subprocess.run(args, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+    assert proc.returncode == 0, (f"{' '.join(args)} failed ({proc.returncode}):\n"
+                                  f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc.stdout + proc.stderr
+
+
+def _dvc(repo: Path, env: dict, *args: str) -> str:
+    return _run([sys.executable, "-m", "dvc", *args], repo, env)
+
+
+def _ran(log: str) -> set[str]:
+    return {ln.split("'")[1] for ln in log.splitlines() if ln.startswith("Running stage '")}
+
+
+def _set_param(repo: Path, section: str, key: str, value) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params[section][key] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.mark.slow
+def test_dvc_repro_on_tiny_params(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _copy_repo(repo)
+    env = _env(tmp_path)
+    _run(["git", "init", "-q"], repo, env)
+    _dvc(repo, env, "init", "-q")
+
+    log = _dvc(repo, env, "repro")
+    stages = {name for name, _, _ in _stages(repo)}
+    assert _ran(log) == stages
+    runs = repo / "runs"
+    # outputs: the pinned subset, published checkpoints, eval JSONs, the report, executed notebooks, figures
+    info = json.loads((runs / "data" / "subset.json").read_text())
+    assert info["eval"]["rows"] == 300 and len(info["train"]["fingerprint"]) == 64
+    for seed in (0, 1):
+        ck = runs / "train" / "rkl" / f"seed{seed}" / "checkpoints" / "checkpoint-3"
+        meta = json.loads((ck / "opdkit.json").read_text())
+        assert meta["step"] == 3 and meta["data_fingerprint"] == info["train"]["fingerprint"]
+        ev = json.loads((runs / "eval" / "rkl" / f"seed{seed}.json").read_text())
+        assert ev["arm"] == "rkl" and ev["seed"] == str(seed) and ev["n_questions"] == 6 and 0 <= ev["accuracy"] <= 1
+    rep = json.loads((runs / "report" / "report.json").read_text())
+    assert set(rep["groups"]) == {"before", "teacher", "rkl"} and rep["groups"]["rkl"]["n"] == 2
+    assert rep["groups"]["teacher"]["mean"] > rep["groups"]["before"]["mean"]
+    for nb in ("training_dynamics", "eval_comparison", "repeat_runs", "rollout_inspection", "study_padding",
+               "study_clipped_mass"):
+        assert (runs / "notebooks" / f"{nb}.ipynb").is_file()
+    for png in yaml.safe_load((repo / "dvc.yaml").read_text())["plots"]:
+        assert (repo / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    nb_metrics = json.loads((runs / "notebooks" / "repeat_runs" / "metrics.json").read_text())
+    assert nb_metrics["groups"]["rkl"]["mean"] == pytest.approx(rep["groups"]["rkl"]["mean"])
+    shown = _dvc(repo, env, "metrics", "show")
+    assert "runs/eval/rkl/seed0.json" in shown and "runs/eval/reference/teacher.json" in shown
+
+    # each stage imported only opdkit modules it declares (the hook logged every process of every stage)
+    declared = {name: [d.def_path for d in deps if type(d).__name__ != "ParamsDependency"]
+                for name, _, deps in _stages(repo)}
+    seen: dict[str, set[str]] = {}
+    for f in (tmp_path / "imports").glob("*.txt"):
+        for line in f.read_text().splitlines():
+            stage, module = line.split()
+            if (repo / _module_file(repo, module)).is_file():  # (not a failed optional import)
+                seen.setdefault(stage, set()).add(_module_file(repo, module))
+    assert set(seen) >= {"train@rkl-0", "eval@rkl-0", "study_padding", "nb_rollout_inspection"}
+    for name, files in seen.items():
+        missing = [f for f in sorted(files - NOT_A_CODE_DEP)
+                   if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in declared[name])]
+        assert not missing, f"stage {name} imports {missing} but does not list them as deps"
+
+    # nothing changed: a second repro runs nothing, and status is clean
+    assert _ran(_dvc(repo, env, "repro")) == set()
+    assert "up to date" in _dvc(repo, env, "status")
+
+    # a loss param invalidates only the training stages (everything downstream follows from them)
+    before0 = json.loads((runs / "eval" / "rkl" / "seed0.json").read_text())
+    _set_param(repo, "loss", "clip", "entry")
+    changed = json.loads(_dvc(repo, env, "status", "--json"))
+    assert set(changed) == {"train@rkl-0", "train@rkl-1"}, changed
+    _set_param(repo, "loss", "clip", "none")
+    assert json.loads(_dvc(repo, env, "status", "--json")) == {}
+
+    # the same seed trained again from scratch gives the same metrics
+    steps = runs / "train" / "rkl" / "seed0" / "metrics" / "train.jsonl"
+    losses0 = [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())]
+    _dvc(repo, env, "repro", "--force", "--single-item", "train@rkl-0")
+    assert [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())] == losses0
+    _dvc(repo, env, "repro", "--force", "--single-item", "eval@rkl-0")
+    assert json.loads((runs / "eval" / "rkl" / "seed0.json").read_text()) == before0

@@ -1,0 +1,143 @@
+"""opdkit.report (repeat-run statistics over eval JSONs, `opdkit report`) and opdkit.inspection
+(per-token teacher - student log-probs of sampled completions, for the rollout notebook)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from opdkit.cli import main
+from opdkit.inspection import delta_colour, inspect_rollouts, summary, tokens_html
+from opdkit.report import eval_paths, format_report, load_evals, per_question_correct, report, train_dirs
+from opdkit.stats import compare_arms
+
+ACC = {"rkl": [0.50, 0.53, 0.51], "jsd": [0.56, 0.58, 0.55]}
+
+
+def write_eval(path, arm, seed, accuracy, stderr=0.02, **extra):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tags = {"arm": arm} if seed is None else {"arm": arm, "seed": str(seed)}  # --tag values are strings
+    path.write_text(json.dumps({"accuracy": accuracy, "stderr": stderr, "n_questions": 300, "n_samples": 1200,
+                                "truncated_frac": 0.0, **tags, **extra}))
+    return path
+
+
+@pytest.fixture
+def evals(tmp_path):
+    for arm, accs in ACC.items():
+        for seed, a in enumerate(accs):
+            write_eval(tmp_path / "eval" / arm / f"seed{seed}.json", arm, seed, a)
+    write_eval(tmp_path / "eval" / "reference" / "before.json", "before", None, 0.30)
+    return tmp_path / "eval"
+
+
+def test_report_groups_and_compares_arms_with_the_stats_functions(evals):
+    r = report([evals / "jsd", evals / "rkl", evals / "reference" / "before.json"], baseline="rkl")
+    assert [(x["arm"], x["seed"]) for x in r["runs"]] == [
+        ("before", 0), ("jsd", 0), ("jsd", 1), ("jsd", 2), ("rkl", 0), ("rkl", 1), ("rkl", 2)]
+    g = r["groups"]["jsd"]
+    x = np.array(ACC["jsd"])
+    assert g["n"] == 3 and g["seeds"] == [0, 1, 2]
+    assert g["mean"] == pytest.approx(x.mean()) and g["sd"] == pytest.approx(x.std(ddof=1))
+    assert g["se"] == pytest.approx(x.std(ddof=1) / math.sqrt(3)) and g["mean_stderr"] == pytest.approx(0.02)
+    ref = compare_arms(ACC["jsd"], ACC["rkl"])
+    c = r["comparisons"]["jsd"]
+    assert c["diff"] == pytest.approx(ref["diff"]) and c["diff_in_se"] == pytest.approx(ref["diff_in_se"])
+    assert c["diff_in_baseline_se"] == pytest.approx(ref["diff"] / ref["baseline"]["se"])
+    assert c["diff_in_se"] > 2  # 0.057 apart with se ~0.014: clearly separated
+    # one run of `before`: summarised (no sd) but not compared
+    assert r["groups"]["before"]["sd"] is None and "before" in r["not_compared"]
+    assert "rkl" not in r["comparisons"]
+    json.dumps(r, allow_nan=False)  # strict JSON: NaN became null
+    assert "jsd: 0.5633" in format_report(r) and "SE vs rkl" in format_report(r)
+
+
+def test_report_without_baseline_and_with_duplicate_paths(evals):
+    r = report([evals / "rkl", evals / "rkl", evals / "rkl" / "seed0.json"])
+    assert len(r["runs"]) == 3 and r["comparisons"] == {} and r["baseline"] is None
+
+
+def test_report_errors_name_the_file_or_group(evals, tmp_path):
+    with pytest.raises(ValueError, match="baseline arm='k1' is not among"):
+        report([evals / "rkl"], baseline="k1")
+    bad = tmp_path / "untagged.json"
+    bad.write_text(json.dumps({"accuracy": 0.5, "stderr": 0.1}))
+    with pytest.raises(ValueError, match="untagged.json lacks \\['arm'\\]"):
+        report([bad])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        eval_paths([tmp_path / "nope.json"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no eval JSON"):
+        eval_paths([tmp_path / "empty"])
+    write_eval(tmp_path / "dup" / "a.json", "rkl", 0, 0.5)
+    write_eval(tmp_path / "dup" / "b.json", "rkl", 0, 0.6)
+    with pytest.raises(ValueError, match="repeats arm='rkl' seed=0"):
+        report([tmp_path / "dup"])
+
+
+def test_report_groups_by_another_key(tmp_path):
+    for i, (lr, a) in enumerate([("1e-4", 0.5), ("1e-4", 0.52), ("3e-4", 0.6), ("3e-4", 0.62)]):
+        write_eval(tmp_path / f"{i}.json", "rkl", i, a, lr=lr)
+    r = report([tmp_path], baseline="1e-4", group_key="lr")
+    assert set(r["groups"]) == {"1e-4", "3e-4"} and r["comparisons"]["3e-4"]["diff"] == pytest.approx(0.1)
+
+
+def test_opdkit_report_cli_prints_and_writes(evals, tmp_path, capsys):
+    out = tmp_path / "rep" / "report.json"
+    assert main(["report", str(evals / "rkl"), str(evals / "jsd"), "--baseline", "rkl", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == printed
+    assert printed["groups"]["rkl"]["n"] == 3 and "jsd" in printed["comparisons"]
+
+
+def test_per_question_correct_reads_the_records_beside_the_eval_json(tmp_path):
+    f = write_eval(tmp_path / "e.json", "rkl", 0, 0.5)
+    rows = [{"id": "q1", "correct": True}, {"id": "q1", "correct": False}, {"id": 7, "correct": True}]
+    f.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "torn')
+    assert per_question_correct(f) == {"q1": [1.0, 0.0], "7": [1.0]}
+    assert load_evals([f])[0]["seed"] == 0
+
+
+def test_train_dirs_finds_runs_and_names_what_is_wrong(tmp_path):
+    for s in (0, 1):
+        (tmp_path / "rkl" / f"seed{s}" / "metrics").mkdir(parents=True)
+        (tmp_path / "rkl" / f"seed{s}" / "metrics" / "train.jsonl").write_text('{"step": 1}\n')
+    assert [d.name for d in train_dirs([tmp_path / "rkl"])] == ["seed0", "seed1"]
+    assert train_dirs([tmp_path / "rkl" / "seed1", tmp_path / "rkl"])[0].name == "seed1"
+    with pytest.raises(FileNotFoundError, match="neither an `opdkit train --out` directory"):
+        train_dirs([tmp_path])
+
+
+# --- inspection -------------------------------------------------------------------------------
+
+
+def test_tokens_html_escapes_and_colours():
+    h = tokens_html(["<b>", "x"], [-3.0, 0.5], scale=2.0)
+    assert "&lt;b&gt;" in h and "<b>" not in h
+    assert "rgba(220, 40, 40, 1.00)" in h and "rgba(40, 160, 60, 0.25)" in h and 'title="-3.000"' in h
+    assert delta_colour(0.0, 2.0).endswith("0.00)")
+    with pytest.raises(ValueError, match="2 tokens but 1 values"):
+        tokens_html(["a", "b"], [0.0])
+
+
+def test_inspect_rollouts_scores_every_sampled_token(tok, tiny_llama):
+    prompts = [tok("Compute 2+3.").input_ids, tok("Compute 10-4.").input_ids]
+    kw = dict(seed=0, temperature=1.0, top_p=1.0, max_new_tokens=12)
+    same = inspect_rollouts(tiny_llama, tiny_llama, tok, prompts, **kw)
+    assert len(same) == 2
+    for s in same:
+        assert len(s.tokens) == len(s.logp_student) == len(s.logp_teacher) > 0
+        assert all(d == 0.0 for d in s.delta)  # teacher == student: identical scoring, delta exactly 0
+        assert all(lp <= 0 for lp in s.logp_student)
+    torch.manual_seed(1)
+    other = type(tiny_llama)(tiny_llama.config).eval()
+    diff = inspect_rollouts(tiny_llama, other, tok, prompts, **kw)
+    assert [s.tokens for s in diff] == [s.tokens for s in same]  # sampling depends on the student and seeds only
+    assert [s.logp_student for s in diff] == [s.logp_student for s in same]
+    m = summary(diff)
+    deltas = [d for s in diff for d in s.delta]
+    assert m["n_tokens"] == len(deltas) and m["mean_delta"] == pytest.approx(np.mean(deltas)) and m["min_delta"] < 0

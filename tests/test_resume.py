@@ -1,0 +1,243 @@
+"""Resume: an interrupted run continues exactly where its state left off and ends with the same
+weights as an uninterrupted one; SIGKILL of the real trainer process at several points leaves
+only complete checkpoints, and a rerun finishes with exit 0; the end of a run is published once;
+a finished run is not trained again; a foreign or incompatible output directory is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opdkit import train as train_mod
+from opdkit.config import load_config
+from opdkit.publish import is_valid_checkpoint, list_checkpoints
+from opdkit.setup import RunError
+from opdkit.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+        "runtime.threads=1", "budget.max_wall_time_s=0", "optim.schedule=cosine"]
+
+
+def cfg(*overrides: str):
+    return load_config(None, [*TINY, *overrides])
+
+
+def quiet_train(config, out: Path) -> tuple[object, str]:
+    logs: list[str] = []
+    result = train(config, out, log=logs.append, progress=False)
+    return result, "\n".join(logs)
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_file(ckpt / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{k} differs: max |diff| {(wa[k] - wb[k]).abs().max()}"
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (out / "metrics" / "train.jsonl").read_text().splitlines()]
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> tuple[Path, str]:
+    """4 steps in one go, a checkpoint every 2 (the last step is also a periodic publish)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "out"
+    result, logs = quiet_train(cfg("budget.max_steps=4", "publish.every_steps=2"), out)
+    assert (result.status, result.reason, result.step) == ("completed", "step_horizon", 4)
+    return out, logs
+
+
+def test_the_final_step_is_published_once_when_it_is_also_a_periodic_publish(uninterrupted):
+    out, logs = uninterrupted
+    assert logs.count("published ") == 2 and "replacing existing" not in logs
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-2", "checkpoint-4"]
+    assert [r["step"] for r in metric_rows(out)] == [1, 2, 3, 4]
+
+
+def test_an_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, uninterrupted):
+    ref, _ = uninterrupted
+    out = tmp_path / "out"
+    # the first start ends at step 2 (same lr schedule horizon as the reference) ...
+    first, _ = quiet_train(cfg("budget.max_steps=2", "budget.schedule_steps=4", "publish.every_steps=2"), out)
+    assert first.step == 2
+    # ... after which a killed attempt left a step-3 line and a torn step-4 line behind
+    with (out / "metrics" / "train.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "elapsed_s": 500.0}) + "\n" + '{"step": 4, "elaps')
+    result, logs = quiet_train(cfg("budget.max_steps=4", "budget.schedule_steps=4", "publish.every_steps=2"), out)
+    assert result.step == 4
+    assert "resuming from" in logs and "step 2, 500.0s of the wall budget already spent" in logs
+    assert_same_weights(out / "checkpoints" / "checkpoint-4", ref / "checkpoints" / "checkpoint-4")
+    rows, ref_rows = metric_rows(out), metric_rows(ref)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # stale and torn lines dropped, new ones appended
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]  # the same samples, step by step
+    assert rows[2]["elapsed_s"] > 500.0  # the wall budget counts the time the lost steps took
+
+
+def test_rerunning_a_finished_run_returns_at_once_without_training(uninterrupted, monkeypatch):
+    out, _ = uninterrupted
+    before = (out / "metrics" / "train.jsonl").read_text()
+
+    def no_build(*a, **k):
+        raise AssertionError("a finished run must not load models again")
+
+    monkeypatch.setattr(train_mod, "build_run", no_build)
+    result, logs = quiet_train(cfg("budget.max_steps=4", "publish.every_steps=2"), out)
+    assert (result.status, result.reason, result.step) == ("completed", "step_horizon", 4)
+    assert "nothing to do" in logs
+    assert (out / "metrics" / "train.jsonl").read_text() == before
+
+
+def test_resuming_with_other_params_or_into_foreign_checkpoints_is_refused_untouched(tmp_path, uninterrupted):
+    out, _ = uninterrupted
+    before = snapshot(out)
+    with pytest.raises(RunError, match=r"other params \(loss.name: 'rkl' -> 'k1'\)"):
+        train(cfg("budget.max_steps=4", "loss.name=k1"), out, log=lambda s: None, progress=False)
+    assert snapshot(out) == before
+    foreign = tmp_path / "foreign"  # checkpoints without the trainer state that made them
+    shutil.copytree(out / "checkpoints", foreign / "checkpoints")
+    before = snapshot(foreign)
+    with pytest.raises(RunError, match="no trainer state"):
+        train(cfg("budget.max_steps=4"), foreign, log=lambda s: None, progress=False)
+    assert snapshot(foreign) == before
+
+
+def test_a_wall_budget_spent_before_the_first_step_still_publishes_and_ends_cleanly(tmp_path):
+    out = tmp_path / "out"
+    c = cfg("budget.max_wall_time_s=1.0", "budget.deadline_reserve_s=0.999", "optim.schedule=constant")
+    result, _ = quiet_train(c, out)  # start-up alone takes longer than the 1 ms left
+    assert (result.reason, result.step) == ("wall_clock", 0)
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["checkpoint-0"]
+    assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-0") == (True, "ok")
+    assert (out / "state" / "trainer_state.pt").is_file()
+    again, logs = quiet_train(c, out)
+    assert (again.reason, again.step) == ("wall_clock", 0) and "nothing to do" in logs
+
+
+# --- SIGKILL of the real trainer process ----------------------------------------------------
+
+KILL_ARGS = [*TINY, "budget.max_steps=6", "publish.every_steps=2", "publish.keep=2"]
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "PARAMS",
+                                                           "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS",
+                                                           "OUTPUT_DIR", "NPROC", "EXPERIMENT_NAME")}
+    e.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    e.update(extra)
+    return e
+
+
+def steps_logged(out: Path) -> int:
+    try:
+        return sum(1 for ln in (out / "metrics" / "train.jsonl").read_text().splitlines() if ln.endswith("}"))
+    except FileNotFoundError:
+        return 0
+
+
+def exporting(out: Path, step: int) -> bool:
+    try:
+        return any(n.startswith(f".tmp-checkpoint-{step}-") for n in os.listdir(out / "checkpoints"))
+    except FileNotFoundError:
+        return False
+
+
+def child_of(pid: int) -> int | None:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            return int(stat.parent.name)
+    return None
+
+
+def wait_then_kill(proc: subprocess.Popen, victim: int, when, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not when():
+        assert proc.poll() is None, f"the trainer ended (exit {proc.returncode}) before the kill point"
+        assert time.monotonic() < deadline, "the kill point never came"
+        time.sleep(0.002)
+    os.kill(victim, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def kill_reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("kill_reference") / "out"
+    quiet_train(load_config(None, KILL_ARGS), out)
+    return out
+
+
+# (how the trainer is started, when it is killed, whether a trainer state exists by then)
+KILL_POINTS = {
+    "after step 1, before any state": ("python", lambda out: steps_logged(out) >= 1, False),
+    "after step 3, via run.sh": (
+        "run.sh", lambda out: steps_logged(out) >= 3 and (out / "checkpoints" / "checkpoint-2").is_dir(), True),
+    "while checkpoint-4 is being exported": ("python", lambda out: exporting(out, 4) or steps_logged(out) >= 5, True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(tmp_path, kill_reference, point):
+    how, when, has_state = KILL_POINTS[point]
+    out = tmp_path / "out"
+    if how == "python":
+        proc = subprocess.Popen([sys.executable, "-m", "opdkit", "train", "--out", str(out), "--quiet",
+                                 *[x for a in KILL_ARGS for x in ("-S", a)]],
+                                cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        victim = proc.pid
+    else:
+        proc = subprocess.Popen(["bash", str(REPO / "run.sh"), *KILL_ARGS], cwd=tmp_path, env=env(OUTPUT_DIR=str(out)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while (victim := child_of(proc.pid)) is None:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+    wait_then_kill(proc, victim, lambda: when(out))
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)
+    if how == "run.sh":  # the wrapper passes the status on and says what survives
+        assert proc.returncode == 137
+        assert "run.sh: training was killed by signal 9 (exit 137)" in stderr
+        assert f"run.sh: surviving valid checkpoints in {out}/checkpoints: checkpoint-2" in stderr
+
+    # what a SIGKILL leaves: only complete checkpoints (a half-written one is a hidden temp dir)
+    for c in list_checkpoints(out / "checkpoints"):
+        assert is_valid_checkpoint(c) == (True, "ok"), c
+    assert (out / "state" / "trainer_state.pt").is_file() == has_state
+
+    # the same command again (run.sh's own exit-0 check is exercised by the run.sh trial)
+    again = (["bash", str(REPO / "run.sh"), *KILL_ARGS] if how == "run.sh" else
+             [sys.executable, "-m", "opdkit", "train", "--out", str(out), "--quiet", *[x for a in KILL_ARGS for x in ("-S", a)]])
+    rerun = subprocess.run(again, cwd=tmp_path, env=env(OUTPUT_DIR=str(out)), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert ("resuming from" in rerun.stdout) == has_state
+    assert [r["step"] for r in metric_rows(out)] == [1, 2, 3, 4, 5, 6]  # continued, no repeats, no gaps
+    ckpts = list_checkpoints(out / "checkpoints")
+    assert [c.name for c in ckpts] == ["checkpoint-4", "checkpoint-6"]  # publish.keep=2
+    assert all(is_valid_checkpoint(c) == (True, "ok") for c in ckpts)
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert_same_weights(out / "checkpoints" / "checkpoint-6", kill_reference / "checkpoints" / "checkpoint-6")
