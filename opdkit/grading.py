@@ -130,13 +130,26 @@ def grade_answer(pred: str | None, gold: str) -> bool:
     return _math_verify_equal(pred, gold)
 
 
+_ANSWER_LINE_RE = re.compile(r"^\s*\**Answer\**\s*:\s*(.+?)\s*$", re.MULTILINE)
+
+
+def extract_answer(text: str) -> str | None:
+    """The last ``\\boxed{}`` answer; failing that, the last ``Answer: ...`` line (the DAPO prompt
+    format asks for one). None when there is neither."""
+    pred = extract_boxed(text)
+    if pred is not None:
+        return pred
+    lines = _ANSWER_LINE_RE.findall(text)
+    return lines[-1].strip().rstrip(".") if lines else None
+
+
 def grade_completion(completion_text: str, gold: str) -> dict:
     """Grade one completion by its last box.
 
     Returns ``{"pred": str | None, "correct": bool, "has_box": bool}``; ``has_box`` is True when a
     complete box was extracted (an unbalanced final box counts as no box).
     """
-    pred = extract_boxed(completion_text)
+    pred = extract_answer(completion_text)
     return {"pred": pred, "correct": grade_answer(pred, gold), "has_box": pred is not None}
 
 
@@ -155,7 +168,7 @@ def grade_many(completions: list[str], golds: list[str], processes: int = 0) -> 
         )
     if processes < 0:
         raise ValueError(f"grade_many: processes must be >= 0, got {processes}")
-    preds = [extract_boxed(c) for c in completions]
+    preds = [extract_answer(c) for c in completions]
     pairs = list(dict.fromkeys((p, g) for p, g in zip(preds, golds) if p is not None))
     if processes == 0 or not pairs:
         verdicts = [grade_answer(p, g) for p, g in pairs]

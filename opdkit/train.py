@@ -206,6 +206,13 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work is done (else GPU seconds land in the next phase)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic()
+
+
 def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> str | None:
     b = cfg.budget
     if b.max_steps and step >= b.max_steps:
@@ -323,7 +330,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             reason = _should_stop(cfg, step, elapsed, last_step_s)
             if reason:
                 break
-            t0 = time.monotonic()
+            t0 = _clock(run.device)
             lr = lr_at(cfg.optim.schedule, step=step, total_steps=horizon, elapsed_s=elapsed,
                        budget_s=cfg.budget.max_wall_time_s, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
                        warmup_steps=cfg.optim.warmup_steps)
@@ -354,7 +361,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
             batch = opd.Batch(rollout, t_ids, t_mask)
-            t1 = time.monotonic()
+            t1 = _clock(run.device)
             align = opd.alignment_report(batch, run.student, cfg.runtime.logprob_chunk) if (
                 cfg.runtime.alignment_check and step == 0 and cfg.loss.name != "sft") else None
             if align:
@@ -362,7 +369,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
 
             # 2. teacher scoring, 3. loss + backward (micro-batched, token mean over the step), 4. update
             contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
-            t2 = time.monotonic()
+            t2 = _clock(run.device)
             # the token mean over the whole step: FSDP averages gradients over ranks, hence / world.size
             n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
                                               int(rollout.truncated_B.sum()))
@@ -376,7 +383,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 update_ema(run.ema, run.student, cfg.teacher.ema_decay)
             engine.sync_weights(run.student)  # a separate inference engine (vLLM) samples the new weights
             step += 1
-            t3 = time.monotonic()
+            t3 = _clock(run.device)
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
 

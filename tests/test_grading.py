@@ -126,3 +126,13 @@ def test_grade_many_processes_match_sequential():
 def test_grade_many_length_mismatch():
     with pytest.raises(ValueError, match="one gold answer per completion"):
         grade_many(["a", "b"], ["a"])
+
+
+def test_answer_line_is_the_fallback_for_answer_line_prompts():
+    from opdkit.grading import extract_answer
+
+    assert extract_answer("work...\nAnswer: 42") == "42"
+    assert extract_answer("Answer: 1\nmore\nAnswer: 7.") == "7"
+    assert extract_answer("Answer: 3 but \\boxed{5}") == "5"  # a box wins
+    assert extract_answer("no answer here") is None
+    assert grade_completion("so\nAnswer: \\frac{1}{2}", "0.5")["correct"]
