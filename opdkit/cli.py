@@ -20,6 +20,7 @@ EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_LOCKED = 1, 2, 75
 
 def _add_params(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--params", default=None, help="params YAML (default: params.yaml if present, else built-in defaults; 'none': built-in defaults)")
+    p.add_argument("-r", "--recipe", default=None, help="a params overlay from recipes/ (params < recipe < -S)")
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a params key (dotted path), e.g. -S loss.name=jsd; repeatable")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -33,6 +34,10 @@ def _config(args):
         path = "params.yaml"
     if path == "none":  # the built-in defaults of opdkit.config, whatever the directory holds
         path = None
+    if getattr(args, "recipe", None):
+        from opdkit.recipes import load_config as load_with_recipe
+
+        return load_with_recipe(path, args.recipe, args.overrides)
     return load_config(path, args.overrides)
 
 

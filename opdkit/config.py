@@ -334,19 +334,23 @@ def config_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = 
     return _build(Config, tree)
 
 
+def read_yaml_mapping(path: str | Path, what: str = "params file") -> dict:
+    """A YAML file whose top level is a mapping; errors name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what} {p}: expected a mapping at the top level")
+    return raw
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read ``path`` (YAML; None = defaults only), apply ``key=value`` overrides, validate."""
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"params file {p} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"params file {p} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"params file {p}: expected a mapping at the top level")
+    raw = read_yaml_mapping(path) if path is not None else {}
     try:
         return config_from_dict(raw, overrides)
     except ConfigError as e:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from opdkit.config import Config, ConfigError, config_from_dict
+from opdkit.config import Config, ConfigError, config_from_dict, read_yaml_mapping as _read_yaml
 
 
 def overlay(base: dict, top: dict) -> dict:
@@ -22,18 +22,6 @@ def overlay(base: dict, top: dict) -> dict:
     for k, v in top.items():
         out[k] = overlay(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-def _read_yaml(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"{what} {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{what} {path}: expected a mapping at the top level")
-    return raw
 
 
 def recipe_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:

@@ -51,3 +51,15 @@ def test_a_typo_in_a_recipe_names_the_key(tmp_path):
     (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="loops"):
         load_config(None, tmp_path / "loop.yaml")
+
+
+def test_cli_selects_a_recipe_with_one_option(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    base = [sys.executable, "-m", "opdkit", "train", "--check", "--out", str(tmp_path / "o")]
+    ok = subprocess.run(base + ["-r", str(root / "recipes" / "s1.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(base + ["-r", str(root / "recipes" / "nope.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "nope.yaml does not exist" in bad.stderr
