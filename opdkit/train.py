@@ -310,6 +310,9 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     else:
         publisher, metrics_f = distributed.NullPublisher(), open(os.devnull, "w")
     engine = distributed.wrap_engine(make_engine(cfg, run.student, run.tokenizer), run.student)
+    # the sft control samples from the teacher: its engine is built once, not every step
+    teacher_engine = (distributed.wrap_engine(make_engine(cfg, run.teacher, run.tokenizer), run.teacher)
+                      if cfg.loss.name == "sft" and cfg.loss.sft_source == "teacher" else None)
     engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     pad_id = run.tokenizer.pad_token_id
@@ -347,8 +350,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
                 rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
             else:
-                sampler = distributed.wrap_engine(make_engine(cfg, run.teacher, run.tokenizer), run.teacher) \
-                    if cfg.loss.name == "sft" else engine
+                sampler = teacher_engine or engine
                 seeds = opd.step_seeds(cfg.seed, step, len(prompts) * G, offset=mine.start * G)
                 with run.autocast():
                     rollout = sampler.sample(prompts, samples_per_prompt=G, seeds=seeds,

@@ -7,7 +7,6 @@ non-zero exit naming the surviving checkpoints when they persist; ``validate`` r
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,19 +17,11 @@ import pytest
 
 from opdkit.embedded import asset
 from opdkit.publish import is_valid_checkpoint, list_checkpoints
+from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
         "runtime.threads=1", "optim.schedule=constant", "budget.max_wall_time_s=0"]
-
-
-def env(**extra) -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in ("STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "PARAMS",
-                                                           "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS",
-                                                           "OUTPUT_DIR", "NPROC", "EXPERIMENT_NAME")}
-    e.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    e.update(extra)
-    return e
 
 
 def snapshot(root: Path) -> dict | None:

@@ -24,6 +24,7 @@ from opdkit.config import load_config
 from opdkit.publish import is_valid_checkpoint, list_checkpoints
 from opdkit.setup import RunError
 from opdkit.train import train
+from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
@@ -138,15 +139,6 @@ def test_a_wall_budget_spent_before_the_first_step_still_publishes_and_ends_clea
 # --- SIGKILL of the real trainer process ----------------------------------------------------
 
 KILL_ARGS = [*TINY, "budget.max_steps=6", "publish.every_steps=2", "publish.keep=2"]
-
-
-def env(**extra) -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in ("STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "PARAMS",
-                                                           "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS",
-                                                           "OUTPUT_DIR", "NPROC", "EXPERIMENT_NAME")}
-    e.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    e.update(extra)
-    return e
 
 
 def steps_logged(out: Path) -> int:

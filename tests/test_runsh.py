@@ -18,6 +18,7 @@ import pytest
 
 from opdkit.embedded import asset
 from opdkit.publish import is_valid_checkpoint, list_checkpoints
+from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_SH = REPO / "run.sh"
@@ -25,15 +26,6 @@ TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.m
         "runtime.threads=1", "optim.schedule=constant"]
 METRIC_KEYS = {"step", "elapsed_s", "lr", "loss", "kl", "grad_norm", "response_len", "truncated_frac", "tokens",
                "tokens_per_s"}
-
-
-def env(**extra) -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in ("STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "PARAMS",
-                                                           "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS",
-                                                           "OUTPUT_DIR", "NPROC", "EXPERIMENT_NAME", "PYTHON")}
-    e.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    e.update(extra)
-    return e
 
 
 def run_sh(cwd: Path, *args: str, timeout: float = 300, **env_vars) -> subprocess.CompletedProcess:
