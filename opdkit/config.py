@@ -64,6 +64,7 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 64
     static_cache: bool = True  # used on CUDA only
+    batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
 
 
@@ -134,6 +135,10 @@ class RuntimeConfig:
     threads: int = 2  # torch CPU threads (fixed so CPU runs are reproducible)
     grad_checkpointing: bool = False
     logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab
+    # Score and train each sequence on its own, trimmed of its pads: attention then runs causal with
+    # no mask (flash kernels) instead of a masked kernel over the padded S x S square. For long
+    # sequences on GPU; many short rows (the embedded default on CPU) are faster batched.
+    unpadded_rows: bool = False
     alignment_check: bool = True  # check teacher/student alignment on the first batch
     teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
 

@@ -261,10 +261,12 @@ def _concat(parts, prompt_index_B, pad_id) -> Rollout:
     )
 
 
-def make_engine(cfg, model, tokenizer, batch_size: int = 0) -> RolloutEngine:
-    """The engine named by ``cfg.rollout.engine``."""
+def make_engine(cfg, model, tokenizer, batch_size: int | None = None) -> RolloutEngine:
+    """The engine named by ``cfg.rollout.engine``; ``batch_size`` (sequences per decode call)
+    defaults to ``cfg.rollout.batch_size``."""
     if cfg.rollout.engine == "hf":
-        return HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=batch_size)
+        bs = cfg.rollout.batch_size if batch_size is None else batch_size
+        return HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=bs)
     from opdkit.vllm_engine import VLLMEngine  # optional extra
 
     return VLLMEngine(cfg, model, tokenizer)
