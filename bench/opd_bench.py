@@ -1,6 +1,7 @@
 """GPU benchmark of one OPD step at real shapes, with random-init models built on the GPU.
 
     python bench/opd_bench.py roofline --out r.json          # copy bandwidth, bf16 matmul rate
+    python bench/opd_bench.py decode-check --out d.json      # decoded rows vs decode batch (8 vs 2 x 4)
     python bench/opd_bench.py s1 --steps 3 --out s1.json     # S1 recipe, Qwen2-1.5B shape, full FT
     python bench/opd_bench.py s2 --steps 3 --out s2.json     # S2 recipe, Qwen3-1.7B shape, LoRA
     python bench/opd_bench.py trl --steps 1 --out trl.json   # TRL DistillationTrainer, S1 shape/batch
@@ -39,13 +40,13 @@ EOS_ID = 151643  # Qwen's <|endoftext|>: eos and pad
 PEAK_BF16 = 989.4e12  # H100/H200 SXM dense bf16 datasheet rate, the MFU denominator
 
 
-def stand_in_tokenizer(vocab_size: int):
-    """Word-level tokenizer over ``vocab_size`` ids: "t<i>" -> i; EOS = pad = EOS_ID."""
+def stand_in_tokenizer(vocab_size: int, eos_id: int = EOS_ID):
+    """Word-level tokenizer over ``vocab_size`` ids: "t<i>" -> i; EOS = pad = ``eos_id``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
-    vocab["<|endoftext|>"] = vocab.pop(f"t{EOS_ID}")
+    vocab["<|endoftext|>"] = vocab.pop(f"t{eos_id}")
     tk = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
@@ -145,6 +146,42 @@ def roofline(args) -> dict:
     return {"what": "roofline", "device": torch.cuda.get_device_name(), "copy_bw_Bps": copy_bw, "matmul_bf16_flops": mm,
             "eager_launch_us": launch_s * 1e6, "graph_node_us": node_s * 1e6,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__}
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def decode_check(args) -> dict:
+    """Are decoded rows independent of the decode batch? 8 rows at once vs 2 calls of 4 (same seeds),
+    and decode steps/s of the static-cache decoder at batch 8 and 4."""
+    from opdkit.decode import StaticDecoder
+
+    T = args.max_new_tokens or 512
+    mcfg = shape_config("qwen2-1.5b", eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None, **dict(args.shape_kw))
+    model = random_model(mcfg, DEVICE, torch.bfloat16, seed=0)
+    dec = StaticDecoder(model)
+    prompts = random_prompts(2, 180, 260, seed=0)
+    rows = [p for p in prompts for _ in range(4)]
+    seeds = list(range(100, 108))
+    out = {"what": "decode_check", "max_new_tokens": T}
+
+    def go(lo, hi):
+        ids, mask = left_pad(rows[lo:hi], EOS_ID, DEVICE)
+        t0 = sync()
+        tok, logp = dec.generate(ids, mask, seeds[lo:hi], temperature=1.0, top_p=1.0, max_new_tokens=T, eos_ids=[EOS_ID])
+        return tok, logp, dec.stats["decode_steps"] / (sync() - t0)
+
+    go(0, 8)  # warm-up (cuBLAS, allocator)
+    tok8, logp8, out["steps_per_s_b8"] = go(0, 8)
+    a, b = go(0, 4), go(4, 8)
+    out["steps_per_s_b4"] = a[2]
+    tok4, logp4 = torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])
+    same_B_T = tok8 == tok4
+    first = [int((~r).nonzero()[0]) if not bool(r.all()) else T for r in same_B_T]
+    out.update(token_agreement=float(same_B_T.float().mean()), first_divergence=first,
+               max_abs_dlogp_before_divergence=max(float((logp8[i, :f] - logp4[i, :f]).abs().max()) if f else 0.0
+                                                   for i, f in enumerate(first)))
+    return out
 
 
 # ----------------------------------------------------------------------------- opdkit steps
@@ -249,7 +286,8 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
             "lora": cfg.lora.enabled, "trainable_params": sum(p.numel() for p in params), "steps": steps,
             "config": {"P": P, "G": G, "max_new_tokens": R.max_new_tokens, "loss": cfg.loss.name,
                        "grad_checkpointing": cfg.runtime.grad_checkpointing, "logprob_chunk": cfg.runtime.logprob_chunk,
-                       "micro_batch": cfg.optim.micro_batch}}
+                       "micro_batch": cfg.optim.micro_batch, "unpadded_rows": cfg.runtime.unpadded_rows,
+                       "rollout_batch_size": cfg.rollout.batch_size}}
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -315,7 +353,7 @@ def run_trl(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["roofline", "s1", "s2", "trl"])
+    ap.add_argument("what", choices=["roofline", "decode-check", "s1", "s2", "trl"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=0, help="override the recipe's cap (0 = the recipe's)")
     ap.add_argument("-S", "--set", action="append", default=[], help="params override, e.g. runtime.logprob_chunk=512")
@@ -336,6 +374,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.what == "roofline":
         res = roofline(args)
+    elif args.what == "decode-check":
+        res = decode_check(args)
     elif args.what == "s1":
         res = run_opd(args, recipe="s1.yaml", shape="qwen2-1.5b", prompt_len=(180, 260), solution_len=(0, 0))
     elif args.what == "s2":

@@ -16,7 +16,8 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   group of query heads (grouped-query attention without repeating K/V);
 - for Llama/Qwen2/Qwen3-type layers the per-token forward (``_layer_step``) is written out with
   few kernels: q/k/v and gate/up as one matmul each (the copy's weights are views into fused
-  buffers), rotary on q and k at once, the fused RMSNorm. A replayed step is bound by its number
+  buffers), rotary on q and k at once as roll + multiply-add, the attention scale and mask as one
+  add, the residual adds inside the projections' matmuls (addmm), the fused RMSNorm. A replayed step is bound by its number
   of small kernels (each costs microseconds however small), not by the weight reads: this halves
   it against the modules' own forward, which is still used for other architectures.
 
@@ -156,30 +157,39 @@ def _fused_layers(gen) -> list[dict] | None:
     return out
 
 
-def _layer_step(f: dict, h_B_H, cos_B_1_D, sin_B_1_D, slot_1, mask_B_1_1_n, keys_B_K_L_D, values_B_K_L_D):
-    """One decoder layer for one new token per row: the HF Llama/Qwen layer in fewer kernels."""
+def _linear_add(x_B_I, linear, residual_B_H):
+    """``residual + linear(x)`` as one matmul when the projection has no bias (addmm's beta=1 term)."""
+    if linear.bias is not None:
+        return residual_B_H + torch.nn.functional.linear(x_B_I, linear.weight, linear.bias)
+    return torch.addmm(residual_B_H, x_B_I, linear.weight.t())
+
+
+def _layer_step(f: dict, h_B_H, cos_B_1_D, sin_B_1_D, slot_1, bias_B_1_1_n, keys_B_K_L_D, values_B_K_L_D):
+    """One decoder layer for one new token per row: the HF Llama/Qwen layer in fewer kernels.
+
+    ``sin_B_1_D`` is sign-folded for ``roll``: rotate_half(x) * sin == roll(x, D/2) * cat(-sin1, sin2).
+    ``bias_B_1_1_n`` is the additive fp32 attention mask (0 visible, -inf hidden), shared by all layers.
+    """
     B, H, Hkv, D = h_B_H.shape[0], f["H"], f["Hkv"], f["D"]
-    G, n = H // Hkv, mask_B_1_1_n.shape[-1]
+    G, n = H // Hkv, bias_B_1_1_n.shape[-1]
     qkv_B_X = torch.nn.functional.linear(_rms(h_B_H, f["ln1"]), f["w_qkv"], f["b_qkv"])
     qk_B_Hk_D = qkv_B_X[:, :(H + Hkv) * D].view(B, H + Hkv, D)  # query heads, then key heads
     v_B_K_D = qkv_B_X[:, (H + Hkv) * D:].view(B, Hkv, D)
     if f["q_norm"] is not None:  # Qwen3: RMSNorm per head before rotary
         qk_B_Hk_D = torch.cat([_rms(qk_B_Hk_D[:, :H], f["q_norm"]), _rms(qk_B_Hk_D[:, H:], f["k_norm"])], 1)
-    half = D // 2
-    rot_B_Hk_D = torch.cat([-qk_B_Hk_D[..., half:], qk_B_Hk_D[..., :half]], -1)  # rotate_half
-    qk_B_Hk_D = torch.addcmul(qk_B_Hk_D * cos_B_1_D, rot_B_Hk_D, sin_B_1_D)
+    qk_B_Hk_D = torch.addcmul(qk_B_Hk_D * cos_B_1_D, qk_B_Hk_D.roll(D // 2, -1), sin_B_1_D)
     keys_B_K_L_D.index_copy_(2, slot_1, qk_B_Hk_D[:, H:, None, :])
     values_B_K_L_D.index_copy_(2, slot_1, v_B_K_D[:, :, None, :])
     q_B_K_G_D = qk_B_Hk_D[:, :H].reshape(B, Hkv, G, D)  # head h reads K/V head h // G
-    scores_B_K_G_n = torch.matmul(q_B_K_G_D, keys_B_K_L_D[:, :, :n].transpose(-1, -2)).float() * f["scale"]
-    probs_B_K_G_n = scores_B_K_G_n.masked_fill(~mask_B_1_1_n, float("-inf")).softmax(-1).to(h_B_H.dtype)
+    scores_B_K_G_n = torch.matmul(q_B_K_G_D, keys_B_K_L_D[:, :, :n].transpose(-1, -2))
+    scores_B_K_G_n = torch.add(bias_B_1_1_n, scores_B_K_G_n, alpha=f["scale"])  # fp32: scale and mask in one kernel
+    probs_B_K_G_n = scores_B_K_G_n.softmax(-1).to(h_B_H.dtype)
     o_B_X = torch.matmul(probs_B_K_G_n, values_B_K_L_D[:, :, :n]).reshape(B, H * D)
-    a = f["attn"]
-    h_B_H = h_B_H + torch.nn.functional.linear(o_B_X, a.o_proj.weight, a.o_proj.bias)
+    h_B_H = _linear_add(o_B_X, f["attn"].o_proj, h_B_H)
     gu_B_X = torch.nn.functional.linear(_rms(h_B_H, f["ln2"]), f["w_gu"], f["b_gu"])
     gate_B_I, up_B_I = gu_B_X.chunk(2, dim=-1)
     mlp = f["mlp"]
-    return h_B_H + torch.nn.functional.linear(mlp.act_fn(gate_B_I) * up_B_I, mlp.down_proj.weight, mlp.down_proj.bias)
+    return _linear_add(mlp.act_fn(gate_B_I) * up_B_I, mlp.down_proj, h_B_H)
 
 
 class StaticDecoder:
@@ -205,9 +215,13 @@ class StaticDecoder:
             return self.gen.lm_head(h_B_1_H[:, -1]).float()
         h_B_H = m.embed_tokens(tok_B)
         cos_B_1_D, sin_B_1_D = m.rotary_emb(h_B_H, pos_B[:, None])  # (B, 1, D): broadcast over heads
+        half = cos_B_1_D.shape[-1] // 2
+        sin_B_1_D = torch.cat([-sin_B_1_D[..., :half], sin_B_1_D[..., half:]], -1)  # for roll, see _layer_step
+        bias_B_1_1_n = torch.zeros(mask_B_1_1_n.shape, dtype=torch.float32, device=tok_B.device).masked_fill_(
+            ~mask_B_1_1_n, float("-inf"))
         slot_1 = cache.layers[0].cumulative_length.view(1)  # every layer writes the same slot
         for f, layer in zip(self.layers, cache.layers):
-            h_B_H = _layer_step(f, h_B_H, cos_B_1_D, sin_B_1_D, slot_1, mask_B_1_1_n, layer.keys, layer.values)
+            h_B_H = _layer_step(f, h_B_H, cos_B_1_D, sin_B_1_D, slot_1, bias_B_1_1_n, layer.keys, layer.values)
         for layer in cache.layers:
             layer.cumulative_length.add_(1)
         return self.gen.lm_head(_rms(h_B_H, m.norm)).float()

@@ -66,7 +66,7 @@ def student_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
                           ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
 
 
-def alignment_report(batch: Batch, student, chunk: int) -> dict:
+def alignment_report(batch: Batch, student, chunk: int, unpadded: bool = False) -> dict:
     """The alignment self-check on a batch, plus how far recomputed student log-probs are from
     the sampling-time ones (they should agree to float tolerance on the first step)."""
     ro = batch.rollout
@@ -75,7 +75,8 @@ def alignment_report(batch: Batch, student, chunk: int) -> dict:
                                batch.teacher_prompt_mask_B_Sp))
     with torch.no_grad():
         _, head = unwrap(student)
-        logp_B_T = token_logprobs(head, completion_hidden(student, student_geometry(batch)), ro.completion_ids_B_T, chunk)
+        logp_B_T = token_logprobs(head, completion_hidden(student, student_geometry(batch), unpadded), ro.completion_ids_B_T,
+                                   chunk)
     m = ro.completion_mask_B_T.bool()
     out["recompute_max_abs_dlogp"] = float((logp_B_T - ro.sampling_logp_B_T).abs()[m].max()) if m.any() else 0.0
     return out
@@ -136,7 +137,7 @@ def teacher_context(cfg: Config, teacher, batch: Batch, rows: slice, teacher_ctx
     ro = batch.rollout
     with teacher_ctx_manager():
         _, head = unwrap(teacher)
-        h_B_T_H = completion_hidden(teacher, teacher_geometry(batch, rows))
+        h_B_T_H = completion_hidden(teacher, teacher_geometry(batch, rows), cfg.runtime.unpadded_rows)
         ids_B_T = ro.completion_ids_B_T[rows]
         ctx = {"logp_B_T": token_logprobs(head, h_B_T_H, ids_B_T, cfg.runtime.logprob_chunk), "head": head}
         if L.name == "topk_fkl":
@@ -175,7 +176,7 @@ def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n
     _, s_head = unwrap(student)
     for rows, t_ctx in zip(micro_slices(cfg, batch), contexts):
         with autocast():
-            h_B_T_H = completion_hidden(student, student_geometry(batch, rows))
+            h_B_T_H = completion_hidden(student, student_geometry(batch, rows), cfg.runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
         for s in range(0, h_leaf.shape[1], chunk):
             sl = slice(s, s + chunk)

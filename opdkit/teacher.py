@@ -44,13 +44,33 @@ def unwrap(model):
     return base.model, base.lm_head
 
 
-def completion_hidden(model, g: Geometry) -> torch.Tensor:
-    """Final hidden states at the columns that predict the completion tokens: (B, T, H)."""
+def completion_hidden(model, g: Geometry, unpadded: bool = False) -> torch.Tensor:
+    """Final hidden states at the columns that predict the completion tokens: (B, T, H).
+
+    ``unpadded``: run each row on its own with its pads removed (positions 0..n-1, no attention
+    mask, so attention is plain causal and can use flash kernels); columns past a row's completion
+    are zeros. Same values as the batched call up to kernel rounding; needs completions whose
+    real tokens come first (as rollouts and references are laid out).
+    """
     decoder, _ = unwrap(model)
-    out = decoder(input_ids=g.input_ids_B_S, attention_mask=g.attention_mask_B_S,
-                  position_ids=g.position_ids_B_S, use_cache=False)
-    h_B_S_H = out.last_hidden_state
-    return h_B_S_H[:, g.prompt_width - 1: g.prompt_width - 1 + g.completion_len]
+    if not unpadded:
+        out = decoder(input_ids=g.input_ids_B_S, attention_mask=g.attention_mask_B_S,
+                      position_ids=g.position_ids_B_S, use_cache=False)
+        h_B_S_H = out.last_hidden_state
+        return h_B_S_H[:, g.prompt_width - 1: g.prompt_width - 1 + g.completion_len]
+    Sp, T = g.prompt_width, g.completion_len
+    rows = []
+    for b in range(g.input_ids_B_S.shape[0]):
+        keep_S = g.attention_mask_B_S[b].bool()
+        n_prompt, n_comp = int(keep_S[:Sp].sum()), int(keep_S[Sp:].sum())
+        if not bool(keep_S[Sp:Sp + n_comp].all()):
+            raise ValueError(f"row {b}: completion mask has a gap; unpadded scoring needs real tokens first")
+        ids_1_S = g.input_ids_B_S[b, keep_S][None]
+        pos_1_S = torch.arange(ids_1_S.shape[1], device=ids_1_S.device)[None]
+        h_1_S_H = decoder(input_ids=ids_1_S, position_ids=pos_1_S, use_cache=False).last_hidden_state
+        h_1_C_H = h_1_S_H[:, n_prompt - 1: n_prompt - 1 + n_comp]
+        rows.append(torch.nn.functional.pad(h_1_C_H, (0, 0, 0, T - n_comp)))
+    return torch.cat(rows)
 
 
 def _chunk_token_logp(head, h_B_C_H, ids_B_C):

@@ -364,7 +364,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
             batch = opd.Batch(rollout, t_ids, t_mask)
             t1 = _clock(run.device)
-            align = opd.alignment_report(batch, run.student, cfg.runtime.logprob_chunk) if (
+            align = opd.alignment_report(batch, run.student, cfg.runtime.logprob_chunk, cfg.runtime.unpadded_rows) if (
                 cfg.runtime.alignment_check and step == 0 and cfg.loss.name != "sft") else None
             if align:
                 log(f"alignment check passed on the first batch: {align}")

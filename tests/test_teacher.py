@@ -62,3 +62,62 @@ def test_chunked_scoring_matches_unchunked(tiny_llama, rollout):
     assert torch.allclose(token_logprobs(head, h, ro.completion_ids_B_T, chunk=4), tok_ref, atol=1e-5)
     ids, vals = topk_logprobs(head, h, 3, chunk=2)
     assert torch.equal(ids, ref.topk(3, -1).indices) and torch.allclose(vals, ref.topk(3, -1).values, atol=1e-5)
+
+
+def test_unpadded_rows_match_each_sequence_alone_and_run_attention_without_a_mask(tiny_llama, tok, monkeypatch):
+    """``unpadded=True`` scores each row trimmed of its pads: the log-probs equal an independent
+    reference (the row's real tokens alone through the full model, default positions) and the
+    batched padded call; attention gets no mask (causal kernels). Completions of unequal length."""
+    p_ids, p_mask = left_pad([tok("Compute 47+5-29.").input_ids, tok("Compute 3+4.").input_ids], tok.pad_token_id)
+    c_ids = torch.tensor([[5, 6, 7, 8, tok.eos_token_id], [9, 10, tok.eos_token_id, tok.pad_token_id, tok.pad_token_id]])
+    c_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    g = build_geometry(p_ids, p_mask, c_ids, c_mask)
+    _, head = unwrap(tiny_llama)
+    masks = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        masks.append((k.get("attn_mask"), k.get("is_causal")))
+        return real_sdpa(*a, **k)
+
+    with torch.no_grad():
+        batched = token_logprobs(head, completion_hidden(tiny_llama, g), c_ids, chunk=3)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        unpadded = token_logprobs(head, completion_hidden(tiny_llama, g, unpadded=True), c_ids, chunk=3)
+        monkeypatch.undo()
+        for b in range(2):
+            n_p, n_c = int(p_mask[b].sum()), int(c_mask[b].sum())
+            seq = torch.cat([p_ids[b, -n_p:], c_ids[b, :n_c]])[None]
+            ref = tiny_llama(input_ids=seq).logits.float().log_softmax(-1)[0, n_p - 1: n_p - 1 + n_c]
+            ref = ref.gather(-1, c_ids[b, :n_c, None])[:, 0]
+            assert torch.allclose(unpadded[b, :n_c], ref, atol=1e-5)
+    m = c_mask.bool()
+    assert torch.allclose(unpadded[m], batched[m], atol=1e-5)
+    assert tiny_llama.config._attn_implementation == "sdpa" and len(masks) == 2 * 2  # rows x layers
+    assert all(mask is None for mask, _ in masks)
+
+
+@pytest.mark.parametrize("loss", ["k1", "rkl"])
+def test_unpadded_rows_give_the_batched_gradients(tiny_llama, tok, rollout, loss):
+    """One OPD step's loss and gradients with ``runtime.unpadded_rows`` equal the batched ones."""
+    import contextlib
+    import copy
+
+    from opdkit import opd
+    from opdkit.config import load_config
+
+    teacher = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = opd.Batch(rollout, rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp)
+    grads, metrics = [], []
+    for unpadded in (False, True):
+        cfg = load_config(None, [f"loss.name={loss}", f"runtime.unpadded_rows={str(unpadded).lower()}",
+                                 "runtime.logprob_chunk=4", "optim.micro_batch=3"])
+        student = copy.deepcopy(tiny_llama).train()
+        ctx = opd.score_batch(cfg, teacher, batch, contextlib.nullcontext)
+        metrics.append(opd.micro_losses(cfg, student, batch, ctx, contextlib.nullcontext))
+        grads.append(torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]))
+    assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-6 and abs(metrics[0]["kl"] - metrics[1]["kl"]) < 1e-6
+    assert grads[0].abs().max() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
