@@ -1,6 +1,8 @@
 """`opdkit train` at the S1 shape on 1 GPU and on N GPUs (torchrun, FSDP2), same global batch.
 
     python bench/fsdp_bench.py --out DIR [--steps 3] [--nproc 2] [--max-new-tokens N]
+    python bench/fsdp_bench.py train --out DIR --name A --nproc 1 --rollout-batch-size 4 --steps 1
+    python bench/fsdp_bench.py compare --out DIR --runs A B C    # updates of B, C against A's
     python bench/fsdp_bench.py --out DIR --device cpu --layers 2 --hidden 64 --vocab 512   # dry run (gloo)
 
 1. Writes a random-init student and teacher at the Qwen2-1.5B shape as HF directories, a stand-in
@@ -149,37 +151,57 @@ def metrics(out: Path) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "prepare", "train", "compare"],
+                    help="all: prepare, 1-GPU run, N-GPU run, compare; or one phase (train: --name, --nproc)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--name", default="", help="train: the run's folder under --out")
+    ap.add_argument("--runs", nargs="*", default=[], help="compare: reference run, then runs to compare with it")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0 = the recipe's 7,168")
-    ap.add_argument("--ref-batch-size", type=int, default=-1,
-                    help="rollout.batch_size of the 1-GPU run (-1 = the per-rank rows of the N-GPU run)")
-    ap.add_argument("-S", "--set", action="append", default=[], help="extra params override for both runs")
+    ap.add_argument("--rollout-batch-size", type=int, default=-1,
+                    help="rollout.batch_size (-1 = the per-rank rows of a --nproc run: 8 // nproc)")
+    ap.add_argument("--ref-batch-size", type=int, default=-1, help="all: rollout.batch_size of the 1-GPU run")
+    ap.add_argument("-S", "--set", action="append", default=[], help="extra params override for the runs")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--skip-single", action="store_true", help="reuse DIR/single from an earlier call")
     args = ap.parse_args(argv)
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     paths = make_inputs(root, args)
-    rows_per_rank = 2 * 4 // args.nproc  # S1: 2 prompts x 4 samples
-    ref_bs = rows_per_rank if args.ref_batch_size < 0 else args.ref_batch_size
-    res: dict = {"what": "fsdp", "nproc": args.nproc, "steps": args.steps, "setup_s": time.perf_counter() - t0,
-                 "ref_rollout_batch_size": ref_bs, "rollout_batch_size_per_rank": rows_per_rank}
-    single, multi = root / "single", root / f"fsdp{args.nproc}"
-    if not args.skip_single:
-        res["single_wall_s"] = run(train_cmd(1, single, paths, args, ref_bs), root / "single.log")
-    res["multi_wall_s"] = run(train_cmd(args.nproc, multi, paths, args, rows_per_rank), root / f"fsdp{args.nproc}.log")
-    res["single"], res["multi"] = metrics(single), metrics(multi)
-    last = f"checkpoint-{args.steps}"
-    res["weights"] = compare(paths["student"], single / "checkpoints" / last, multi / "checkpoints" / last)
+    per_rank = 2 * 4 // args.nproc  # S1: 2 prompts x 4 samples
+
+    def train(name: str, nproc: int, batch_size: int) -> dict:
+        wall = run(train_cmd(nproc, root / name, paths, args, batch_size), root / f"{name}.log")
+        return {"name": name, "nproc": nproc, "rollout_batch_size": batch_size, "wall_s": wall,
+                "steps": metrics(root / name)}
+
+    if args.what == "prepare":
+        res = {"what": "prepare", "setup_s": time.perf_counter() - t0}
+    elif args.what == "train":
+        bs = per_rank if args.rollout_batch_size < 0 else args.rollout_batch_size
+        res = train(args.name or f"run{args.nproc}", args.nproc, bs)
+    elif args.what == "compare":
+        ref, *others = args.runs
+        res = {"what": "compare", "reference": ref, "runs": {}}
+        for name in [ref, *others]:
+            res["runs"][name] = metrics(root / name)
+        steps = min(len(res["runs"][n]) for n in [ref, *others])
+        ck = f"checkpoints/checkpoint-{steps}"
+        res["weights_at_step"] = steps
+        res["weights"] = {o: compare(paths["student"], root / ref / ck, root / o / ck) for o in others}
+    else:
+        single, multi = "single", f"fsdp{args.nproc}"
+        ref_bs = per_rank if args.ref_batch_size < 0 else args.ref_batch_size
+        res = {"what": "fsdp", "single": train(single, 1, ref_bs), "multi": train(multi, args.nproc, per_rank)}
+        ck = f"checkpoints/checkpoint-{args.steps}"
+        res["weights"] = compare(paths["student"], root / single / ck, root / multi / ck)
     res["wall_s"] = time.perf_counter() - t0
     text = json.dumps(res, indent=1)
-    (root / "fsdp.json").write_text(text + "\n")
+    (root / f"{args.what}{'_' + args.name if args.name else ''}.json").write_text(text + "\n")
     print(text)
     return 0
 

@@ -326,6 +326,8 @@ def run_trl(args) -> dict:
         out = orig(*a, **k)
         times["generate_s"].append(sync() - t0)
         times["tokens"].append(sum(len(c) for c in out))
+        print(json.dumps({"trl_generate_s": times["generate_s"][-1], "tokens": times["tokens"][-1],
+                          "peak_alloc_gib": peak_gib()}), flush=True)
         return out
 
     trainer._generate_single_turn = timed
@@ -341,14 +343,19 @@ def run_trl(args) -> dict:
     trainer.add_callback(StepTimer())
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    failure = None
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:  # reported, not hidden: TRL's full-vocabulary loss at long lengths
+        failure = f"OutOfMemoryError: {str(e).splitlines()[0]}"
+        print(json.dumps({"trl_failure": failure, "peak_alloc_gib": peak_gib()}), flush=True)
     peak = peak_gib()
     # TRL scores with the teacher inside its loss: its "update" is teacher scoring + update
     steps = [{"step": i + 1, "step_s": s, "rollout_s": g, "update_s": s - g, "tokens": n, "decode_steps_per_s": T / g,
               "peak_alloc_gib": peak} for i, (s, g, n) in enumerate(zip(times["step_s"], times["generate_s"], times["tokens"]))]
     return {"what": "trl", "trl": trl.__version__, "student_dtype": str(dtype), "cache_implementation": conf.cache_implementation,
-            "gradient_checkpointing": True, "max_new_tokens": T, "steps": steps,
-            "peak_alloc_gib": peak}
+            "gradient_checkpointing": True, "max_new_tokens": T, "steps": steps, "generate_s": times["generate_s"],
+            "generated_tokens": times["tokens"], "failure": failure, "peak_alloc_gib": peak}
 
 
 def main(argv=None) -> int:
@@ -363,11 +370,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of the last step")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the logic (tiny shapes only)")
     ap.add_argument("--hidden", type=int, default=0, help="smaller hidden size (smoke tests only)")
+    ap.add_argument("--arch", default="", help="another architecture at the shape, e.g. llama (no q/k/v biases)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
     args.shape_kw = {"num_hidden_layers": args.layers} if args.layers else {}
+    if args.arch:
+        args.shape_kw.update(model_type=args.arch, attention_bias=False)
     if args.hidden:
         args.shape_kw.update(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=args.hidden // 4)
