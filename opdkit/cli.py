@@ -20,25 +20,27 @@ EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_LOCKED = 1, 2, 75
 
 def _add_params(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--params", default=None, help="params YAML (default: params.yaml if present, else built-in defaults; 'none': built-in defaults)")
-    p.add_argument("-r", "--recipe", default=None, help="a params overlay from recipes/ (params < recipe < -S)")
+    p.add_argument("-r", "--recipe", default=None, metavar="FILE",
+                   help="a params overlay from recipes/ (params < recipe < -S); without -r, the recipe the params "
+                        "name in their 'recipe' key is applied (a path relative to the params file); -r '' applies none")
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a params key (dotted path), e.g. -S loss.name=jsd; repeatable")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def _config(args):
-    from opdkit.config import load_config
-
+def _params_path(args) -> str | None:
+    """-p FILE; else params.yaml if present; None (the built-in defaults) for none or -p none."""
     path = args.params
     if path is None and Path("params.yaml").is_file():
         path = "params.yaml"
-    if path == "none":  # the built-in defaults of opdkit.config, whatever the directory holds
-        path = None
-    if getattr(args, "recipe", None):
-        from opdkit.recipes import load_config as load_with_recipe
+    return None if path == "none" else path  # none: opdkit.config's defaults, whatever the directory holds
 
-        return load_with_recipe(path, args.recipe, args.overrides)
-    return load_config(path, args.overrides)
+
+def _config(args):
+    """params < recipe (-r FILE, else the params' own `recipe` key) < -S overrides."""
+    from opdkit.recipes import load_config
+
+    return load_config(_params_path(args), args.recipe, args.overrides)
 
 
 def cmd_embedded(args) -> int:

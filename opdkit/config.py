@@ -184,6 +184,7 @@ class EmbeddedConfig:
 @dataclass(frozen=True)
 class Config:
     seed: int = 0
+    recipe: str = ""  # a params overlay under recipes/ applied over this file; "" = none (opdkit.recipes)
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -5,15 +5,25 @@ value, list included, replaces the params value), then ``key=value`` overrides a
 ``params.yaml < recipe < -S``. A recipe may start from another with ``extends: other.yaml``
 (a path relative to the recipe's own file). Keys are checked by ``opdkit.config``: a typo in a
 recipe is an error that names the key.
+
+Which recipe: the one given explicitly (``opdkit -r FILE``), else the one the params name in
+their ``recipe`` key (after any ``-S recipe=...``), a path relative to the params file's folder,
+as DVC resolves the ``${recipe}`` dependency beside ``params.yaml``; ``""`` means none. The
+resolved config's ``recipe`` says which file was applied. A recipe sets run params only: it may not
+name a recipe itself (use ``extends``) nor set the ``pipeline`` section (dvc.yaml reads the seeds
+and arms from params.yaml, so a recipe's would be ignored there).
+
+``opdkit.config.load_config`` reads a params file as it is, without its recipe: for a resolved
+config (a run's ``config.yaml``), whose ``recipe`` key only records what was applied.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
+from opdkit.config import Config, ConfigError, config_from_dict, parse_override, read_yaml_mapping as _read_yaml
 
-from opdkit.config import Config, ConfigError, config_from_dict, read_yaml_mapping as _read_yaml
+NOT_IN_RECIPES = ("recipe", "pipeline")
 
 
 def overlay(base: dict, top: dict) -> dict:
@@ -30,19 +40,56 @@ def recipe_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     if p in _seen:
         raise ConfigError(f"recipe {path}: 'extends' loops back to itself")
     raw = _read_yaml(p, "recipe")
+    for key in NOT_IN_RECIPES:
+        if key in raw:
+            why = ("build on another recipe with 'extends: other.yaml'" if key == "recipe" else
+                   "the pipeline's seeds and arms stay in params.yaml, where dvc.yaml reads them")
+            raise ConfigError(f"recipe {path} sets '{key}', which a recipe may not: {why}")
     parent = raw.pop("extends", None)
     if parent is None:
         return raw
     return overlay(recipe_tree(p.parent / str(parent), _seen + (p,)), raw)
 
 
+def _named_recipe(raw: dict, params: str | Path | None, parsed: list[tuple[str, object]]) -> tuple[str, Path | None, str]:
+    """The recipe the params name: (as written, the file, where it was named)."""
+    name, where = raw.get("recipe", ""), f"params key 'recipe' in {params}"
+    for key, value in parsed:
+        if key == "recipe":
+            name, where = value, f"params key 'recipe' (-S recipe={value})"
+    if name is None:
+        name = ""
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: expected str (a recipe file, or '' for none), got {name!r}")
+    if not name:
+        return "", None, where
+    base = Path(params).parent if params is not None else Path()
+    return name, base / name, where
+
+
 def load_config(params: str | Path | None, recipe: str | Path | None = None,
                 overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """``params`` (None = defaults only) < ``recipe`` (None = none) < ``overrides``, validated."""
+    """``params`` (None = defaults only) < a recipe < ``overrides``, validated.
+
+    ``recipe``: a file (as given on the command line; it wins over the params' own), ``""`` for
+    none, or None for the one the params' ``recipe`` key names (relative to the params file).
+    """
     raw = _read_yaml(Path(params), "params file") if params is not None else {}
-    if recipe is not None:
-        raw = overlay(raw, recipe_tree(recipe))
+    parsed = [parse_override(o) for o in overrides]  # checks every key before any file is read
+    if recipe is None:
+        name, path, where = _named_recipe(raw, params, parsed)
+    else:
+        name, path, where = str(recipe), (Path(recipe) if str(recipe) else None), "-r/--recipe"
+    if path is not None:
+        if not path.is_file():
+            if where == "-r/--recipe":
+                raise ConfigError(f"recipe {name} does not exist (-r/--recipe)")
+            raise ConfigError(f"{where} names recipe {name}, which does not exist (looked for {path.absolute()}); "
+                              "name a file under recipes/, or '' for none")
+        raw = overlay(raw, recipe_tree(path))
+    raw = {**raw, "recipe": name}  # the record of what was applied
+    rest = [o for o, (key, _) in zip(overrides, parsed) if key != "recipe"]
     try:
-        return config_from_dict(raw, overrides)
+        return config_from_dict(raw, rest)
     except ConfigError as e:
-        raise ConfigError(f"{e} (params {params}, recipe {recipe})") from None
+        raise ConfigError(f"{e} (params {params}, recipe {path})") from None

@@ -51,6 +51,33 @@ def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
                 assert (ROOT / d.def_path).exists(), f"stage {name}: code dep {d.def_path} does not exist"
 
 
+# what a stage command that builds a run config (params < recipe < -S) looks like
+BUILDS_A_CONFIG = ("opdkit train ", "opdkit eval ", "opdkit study ", "python -m opdkit.stages.subset ",
+                   "notebooks/rollout_inspection.ipynb ")
+
+
+def test_stages_that_build_a_config_pin_the_recipe():
+    """Each such stage lists the `recipe` key among its params and the recipe file among its deps (so
+    dvc.lock records which recipe and its hash); the pipeline's default recipe changes nothing."""
+    from opdkit.config import load_config as load_as_is
+    from opdkit.recipes import load_config
+
+    recipe = yaml.safe_load((ROOT / "params.yaml").read_text())["recipe"]
+    assert recipe and (ROOT / recipe).is_file() and not Path(recipe).is_absolute()
+    assert load_config(ROOT / "params.yaml") == load_as_is(ROOT / "params.yaml")  # recipes/embedded.yaml: empty
+    pinned = set()
+    for name, cmd, deps in _stages(ROOT):
+        keys = {k for d in deps if type(d).__name__ == "ParamsDependency" for k in d.params}
+        files = {d.def_path for d in deps if type(d).__name__ != "ParamsDependency"}
+        builds = any(marker in cmd + " " for marker in BUILDS_A_CONFIG)
+        assert builds == ("recipe" in keys) == (recipe in files), f"stage {name}: builds a config {builds}, {keys}"
+        if builds:
+            assert "opdkit/recipes.py" in files, name
+            pinned.add(name.split("@")[0])
+    assert pinned == {"data", "train", "eval_reference", "eval", "study_padding", "study_clipped_mass",
+                      "nb_rollout_inspection"}
+
+
 def test_every_seed_and_arm_gets_a_train_and_an_eval_stage():
     names = [name for name, _, _ in _stages(ROOT)]
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -135,6 +162,7 @@ def _copy_repo(dst: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
     for name in ("opdkit", "notebooks"):
         shutil.copytree(ROOT / name, dst / name, ignore=ignore)
+    shutil.copytree(ROOT / "recipes", dst / "recipes")
     for name in ("dvc.yaml", "params.yaml", ".dvcignore"):
         shutil.copy2(ROOT / name, dst / name)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -235,6 +263,20 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     changed = json.loads(_dvc(repo, env, "status", "--json"))
     assert set(changed) == {"train@rkl-0", "train@rkl-1"}, changed
     _set_param(repo, "loss", "clip", "none")
+    assert json.loads(_dvc(repo, env, "status", "--json")) == {}
+
+    # dvc.lock pins the recipe in use (its name and hash); editing it invalidates the stages that apply it
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    recipe = "recipes/embedded.yaml"
+    for name in ("data", "train@rkl-0", "eval@rkl-1", "eval_reference@teacher", "study_padding", "nb_rollout_inspection"):
+        assert lock[name]["params"]["params.yaml"]["recipe"] == recipe, name
+        assert [d["md5"] for d in lock[name]["deps"] if d["path"] == recipe], name
+    text = (repo / recipe).read_text()
+    (repo / recipe).write_text(text + "optim:\n  lr: 2.0e-4\n")
+    changed = set(json.loads(_dvc(repo, env, "status", "--json")))
+    assert changed == {"data", "train@rkl-0", "train@rkl-1", "eval_reference@before", "eval_reference@teacher",
+                       "eval@rkl-0", "eval@rkl-1", "study_padding", "study_clipped_mass", "nb_rollout_inspection"}
+    (repo / recipe).write_text(text)
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
     # the same seed trained again from scratch gives the same metrics

@@ -63,3 +63,100 @@ def test_cli_selects_a_recipe_with_one_option(tmp_path):
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run(base + ["-r", str(root / "recipes" / "nope.yaml")], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "nope.yaml does not exist" in bad.stderr
+
+
+# --- the recipe the params name (params key `recipe`) ----------------------------------------------
+
+
+def _params(tmp_path, recipe_key, **recipes):
+    """A params file naming ``recipe_key`` and recipe files beside it (name -> YAML text)."""
+    for name, text in recipes.items():
+        (tmp_path / name).write_text(text)
+    p = tmp_path / "params.yaml"
+    p.write_text(f"recipe: {recipe_key!r}\nloss:\n  name: rkl\noptim:\n  lr: 1.0e-4\n")
+    return p
+
+
+def test_the_embedded_recipe_changes_nothing():
+    from opdkit.config import load_config as load_as_is, to_dict
+
+    assert load_as_is(ROOT / "params.yaml").recipe == "recipes/embedded.yaml"  # what the pipeline pins
+    with_recipe = load_config(ROOT / "params.yaml")  # params < recipes/embedded.yaml
+    assert with_recipe == load_as_is(ROOT / "params.yaml") and with_recipe.recipe == "recipes/embedded.yaml"
+    without = load_config(ROOT / "params.yaml", "")  # "" applies none
+    assert to_dict(without) == {**to_dict(with_recipe), "recipe": ""}
+    defaults = load_config(None, ROOT / "recipes" / "embedded.yaml")
+    assert to_dict(defaults) == {**to_dict(load_as_is(None)), "recipe": str(ROOT / "recipes" / "embedded.yaml")}
+
+
+def test_the_params_recipe_applies_relative_to_the_params_file(tmp_path, monkeypatch):
+    params = _params(tmp_path, "r/k1.yaml")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "k1.yaml").write_text("loss:\n  name: k1\noptim:\n  lr: 2.0e-6\n")
+    monkeypatch.chdir(tmp_path.parent)  # not the params file's folder
+    c = load_config(params)
+    assert (c.loss.name, c.optim.lr, c.recipe) == ("k1", 2e-6, "r/k1.yaml")
+    c = load_config(params, None, ["optim.lr=3e-6"])  # params < recipe < -S
+    assert (c.loss.name, c.optim.lr) == ("k1", 3e-6)
+    # -S recipe=... names another one (also beside the params file); -S recipe= none
+    (tmp_path / "r" / "jsd.yaml").write_text("loss:\n  name: jsd\n")
+    c = load_config(params, None, ["recipe=r/jsd.yaml"])
+    assert (c.loss.name, c.optim.lr, c.recipe) == ("jsd", 1e-4, "r/jsd.yaml")
+    c = load_config(params, None, ["recipe="])
+    assert (c.loss.name, c.recipe) == ("rkl", "")
+
+
+def test_an_explicit_recipe_wins_over_the_params_one(tmp_path):
+    params = _params(tmp_path, "k1.yaml", **{"k1.yaml": "loss:\n  name: k1\n", "sft.yaml": "loss:\n  name: sft\n"})
+    c = load_config(params, tmp_path / "sft.yaml", ["recipe=k1.yaml"])  # -r beats -S recipe= too
+    assert (c.loss.name, c.recipe) == ("sft", str(tmp_path / "sft.yaml"))
+    assert load_config(params, "").loss.name == "rkl"  # -r '': none
+
+
+def test_a_missing_recipe_names_the_file_and_the_key(tmp_path):
+    params = _params(tmp_path, "recipes/nope.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(params)
+    msg = str(e.value)
+    assert f"params key 'recipe' in {params} names recipe recipes/nope.yaml, which does not exist" in msg
+    assert "\n" not in msg
+    with pytest.raises(ConfigError, match=r"params key 'recipe' \(-S recipe=other.yaml\) names recipe other.yaml"):
+        load_config(params, None, ["recipe=other.yaml"])
+    with pytest.raises(ConfigError, match=r"params key 'recipe'.*expected str"):
+        load_config(params, None, ["recipe=[1, 2]"])
+
+
+def test_a_recipe_may_not_name_a_recipe_or_set_the_pipeline(tmp_path):
+    (tmp_path / "a.yaml").write_text("recipe: b.yaml\n")
+    with pytest.raises(ConfigError, match="a.yaml sets 'recipe'.*extends"):
+        load_config(None, tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("pipeline:\n  seeds: [7]\n")
+    (tmp_path / "c.yaml").write_text("extends: b.yaml\n")
+    with pytest.raises(ConfigError, match="b.yaml sets 'pipeline'"):
+        load_config(None, tmp_path / "c.yaml")
+
+
+def test_the_cli_applies_the_params_recipe_and_r_wins(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from opdkit.cli import _config, build_parser
+
+    params = _params(tmp_path, "k1.yaml", **{"k1.yaml": "loss:\n  name: k1\n", "sft.yaml": "loss:\n  name: sft\n"})
+    monkeypatch.chdir(tmp_path)
+
+    def cfg(*argv):
+        return _config(build_parser().parse_args(["train", "--out", "o", *argv]))
+
+    assert (cfg().loss.name, cfg().recipe) == ("k1", "k1.yaml")  # ./params.yaml and the recipe it names
+    assert cfg("-r", "sft.yaml").loss.name == "sft" and cfg("-r", "").loss.name == "rkl"
+    assert cfg("-r", "sft.yaml", "-S", "loss.name=jsd").loss.name == "jsd"
+    assert cfg("-p", "none").recipe == ""
+    assert "'recipe' key is applied" in build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+
+    params.write_text("recipe: recipes/nope.yaml\n")
+    bad = subprocess.run([sys.executable, "-m", "opdkit", "train", "--check", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+    assert "params key 'recipe' in params.yaml names recipe recipes/nope.yaml, which does not exist" in lines[0]

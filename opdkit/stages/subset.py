@@ -1,6 +1,7 @@
 """DVC stage ``data``: the pinned, fingerprinted data subset the rest of the pipeline uses.
 
-Reads the ``data`` params section (``data.filters``, ``data.max_rows``), selects rows of the train
+Reads the ``data`` params section (``data.filters``, ``data.max_rows``; params < the params'
+recipe < -S, as every command reads them), selects rows of the train
 and eval tables exactly as ``opdkit train`` / ``opdkit eval`` would (``data.load_examples``), and
 writes the selected rows as parquet, plus an info JSON with the row counts and the sha256
 fingerprint of each subset (the fingerprint a checkpoint trained on it records). Selecting the
@@ -15,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-from opdkit.config import load_config
+from opdkit.config import ConfigError
 from opdkit.data import Example, fingerprint, load_examples, write_rows
+from opdkit.recipes import load_config
 
 
 def example_row(ex: Example) -> dict:
@@ -46,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    data_cfg = load_config(args.params, args.overrides).data  # this stage reads the data section only
+    try:
+        data_cfg = load_config(args.params, None, args.overrides).data  # this stage reads the data section only
+    except ConfigError as e:
+        print(f"opdkit.stages.subset: error: {e}", file=sys.stderr)
+        return 2
     info = {"train": write_subset(Path(args.train), Path(args.out_train), data_cfg),
             "eval": write_subset(Path(args.eval), Path(args.out_eval), data_cfg)}
     Path(args.info).parent.mkdir(parents=True, exist_ok=True)
