@@ -189,9 +189,18 @@ def cmd_study(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from opdkit.report import report
+    from opdkit.config import load_config
+    from opdkit.report import PATTERN_FIELDS, expand_runs, report
 
-    result = report([Path(p) for p in args.evals], baseline=args.baseline, group_key=args.group_key)
+    evals = [Path(p) for p in args.evals]
+    if any(f in p for p in args.evals for f in PATTERN_FIELDS):
+        # the matrix as dvc.yaml reads it: the params file as it is (no recipe), plus -S
+        evals = expand_runs(args.evals, load_config(_params_path(args), args.overrides))
+    try:
+        result = report(evals, baseline=args.baseline, group_key=args.group_key)
+    except (ValueError, FileNotFoundError) as e:  # a missing or untagged eval JSON, an unknown baseline
+        print(f"opdkit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -236,10 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_study)
 
     p = sub.add_parser("report", help="repeat-run statistics over eval JSONs")
-    p.add_argument("evals", nargs="+")
+    p.add_argument("evals", nargs="+", help="eval JSONs, directories of them (all their *.json), or patterns with "
+                   "{arm} and {seed} filled in for each arm and seed of the pipeline (e.g. 'runs/eval/{arm}/seed{seed}.json': "
+                   "arms loss.name and pipeline.baseline_arm, seeds pipeline.seeds)")
     p.add_argument("--baseline", default=None, help="arm to compare the others against")
     p.add_argument("--group-key", default="arm")
     p.add_argument("--out", default=None)
+    p.add_argument("-p", "--params", default=None,
+                   help="params YAML whose arms and seeds fill in the patterns, read as dvc.yaml reads it (no recipe; "
+                        "default: params.yaml if present, else built-in defaults; 'none': built-in defaults)")
+    p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a params key, e.g. -S pipeline.seeds=[0,1]; repeatable")
     p.set_defaults(fn=cmd_report)
     return ap
 

@@ -29,3 +29,11 @@ def eval_data_path(cfg: Config) -> Path:
     from opdkit.embedded import asset
 
     return Path(cfg.data.eval) if cfg.data.eval else asset("eval")
+
+
+def project_root(start: str | Path | None = None) -> Path:
+    """The nearest folder at or above ``start`` (default: the current directory) that holds
+    ``dvc.yaml``: where the pipeline's relative paths (``params.yaml``, ``runs/...``) start, so a
+    notebook opened from ``notebooks/`` finds them. ``start`` itself when no folder above has one."""
+    here = Path(start if start is not None else Path.cwd()).resolve()
+    return next((d for d in (here, *here.parents) if (d / "dvc.yaml").is_file()), here)

@@ -10,6 +10,11 @@ The statistics are ``opdkit.stats``'s; this module only gathers the inputs and s
 An eval JSON is the ``opdkit eval`` output (DESIGN.md): ``accuracy``, ``stderr`` and the tags
 given with ``--tag`` (the pipeline tags ``arm=<loss.name>`` and ``seed=<n>``). The per-sample
 records sit beside it with the suffix ``.jsonl``.
+
+The pipeline's runs are named by a pattern, e.g. ``runs/eval/{arm}/seed{seed}.json``, filled in for
+each (arm, seed) of dvc.yaml's train matrix (``pipeline_matrix``), so the report and the notebooks
+read exactly the runs params.yaml lists: outputs of a seed or arm dropped from params.yaml that
+still lie under ``runs/`` are never counted (a directory, by contrast, stands for all it holds).
 """
 
 from __future__ import annotations
@@ -18,9 +23,36 @@ import json
 import math
 from pathlib import Path
 
+from opdkit.config import Config
 from opdkit.stats import compare_arms, summarize_runs
 
 RUN_FIELDS = ("accuracy", "stderr", "n_questions", "n_samples", "truncated_frac", "mean_response_tokens")
+PATTERN_FIELDS = ("{arm}", "{seed}")
+
+
+def pipeline_matrix(cfg: Config) -> list[tuple[str, int]]:
+    """The (arm, seed) pairs dvc.yaml trains and evaluates: arms ``loss.name`` then
+    ``pipeline.baseline_arm`` (one arm when they are equal), each over ``pipeline.seeds``.
+
+    Pass the params as dvc.yaml reads them (``opdkit.config.load_config("params.yaml")``, without
+    the recipe: the train stages set ``loss.name`` to the arm with ``-S``, over any recipe)."""
+    arms = dict.fromkeys([cfg.loss.name, cfg.pipeline.baseline_arm])
+    return [(arm, seed) for arm in arms for seed in cfg.pipeline.seeds]
+
+
+def expand_runs(paths: list[str | Path], cfg: Config) -> list[Path]:
+    """``paths`` with each one that holds ``{arm}`` or ``{seed}`` replaced by its instances for
+    every (arm, seed) of ``pipeline_matrix(cfg)`` (in that order); other paths as given."""
+    out: list[Path] = []
+    for p in map(str, paths):
+        if not any(f in p for f in PATTERN_FIELDS):
+            out.append(Path(p))
+            continue
+        try:
+            out.extend(dict.fromkeys(Path(p.format(arm=arm, seed=seed)) for arm, seed in pipeline_matrix(cfg)))
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"run pattern {p!r}: only {{arm}} and {{seed}} can be filled in ({type(e).__name__}: {e})") from None
+    return out
 
 
 def eval_paths(paths: list[str | Path]) -> list[Path]:

@@ -70,6 +70,61 @@ def test_every_notebook_has_one_parameters_cell_and_is_tested():
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{p.name} is saved with outputs"
 
 
+def test_papermill_reads_every_parameter(caplog):
+    """papermill parses each line of a parameters cell (one '=' per line, comments included); a line it
+    cannot parse is logged, and a value passed for it is 'an unknown parameter'."""
+    import ast
+    import logging
+
+    import papermill
+
+    for p in NOTEBOOKS.glob("*.ipynb"):
+        nb = nbformat.read(p, as_version=4)
+        (cell,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+        assigned = [t.id for node in ast.parse(cell.source).body for t in node.targets]
+        with caplog.at_level(logging.WARNING, logger="papermill"):
+            caplog.clear()
+            inferred = papermill.inspect_notebook(str(p))
+        assert list(inferred) == assigned and not caplog.records, f"{p.name}: {caplog.text}"
+
+
+def test_notebooks_opened_from_the_notebooks_folder_read_the_listed_runs(runs, tmp_path):
+    """By hand in JupyterLab: the working directory is notebooks/ and no parameter is passed. The defaults
+    (relative to the project root: runs/..., params.yaml) still resolve, and a stray run folder (a seed no
+    longer in params.yaml) is not counted."""
+    import shutil
+
+    import yaml
+
+    root = tmp_path / "project"
+    (root / "notebooks").mkdir(parents=True)
+    (root / "dvc.yaml").write_text("stages: {}\n")
+    (root / "params.yaml").write_text(yaml.safe_dump({"loss": {"name": "rkl"},
+                                                      "pipeline": {"seeds": list(SEEDS), "baseline_arm": "rkl"}}))
+    shutil.copytree(runs / "eval", root / "runs" / "eval")
+    for seed in SEEDS:
+        shutil.copytree(runs / "train" / f"seed{seed}", root / "runs" / "train" / "rkl" / f"seed{seed}")
+    stray_run = root / "runs" / "train" / "rkl" / "seed7"  # a dropped seed
+    shutil.copytree(runs / "train" / "seed1", stray_run)
+    (stray_run / "config.yaml").write_text(yaml.safe_dump(yaml.safe_load((stray_run / "config.yaml").read_text())
+                                                          | {"seed": 7}))
+    stray = json.loads((runs / "eval" / "rkl" / "seed1.json").read_text()) | {"seed": "7", "accuracy": 1.0}
+    (root / "runs" / "eval" / "rkl" / "seed7.json").write_text(json.dumps(stray))
+    shutil.copy(root / "runs" / "eval" / "rkl" / "seed1.jsonl", root / "runs" / "eval" / "rkl" / "seed7.jsonl")
+
+    import papermill
+
+    for name in ("repeat_runs", "training_dynamics"):
+        papermill.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"), parameters={},
+                                   kernel_name="python3", progress_bar=False, cwd=str(root / "notebooks"))
+    m = json.loads((root / "runs" / "notebooks" / "repeat_runs" / "metrics.json").read_text())
+    ref = report([runs / "eval" / "rkl" / f"seed{s}.json" for s in SEEDS], baseline="rkl")
+    assert m["groups"]["rkl"]["n"] == 2 and m["groups"]["rkl"]["mean"] == pytest.approx(ref["groups"]["rkl"]["mean"])
+    m = json.loads((root / "runs" / "notebooks" / "training_dynamics" / "metrics.json").read_text())
+    assert m["n_runs"] == 2 and set(m["runs"]) == {"rkl seed 0", "rkl seed 1"}
+    assert not (root / "notebooks" / "runs").exists()  # nothing written relative to notebooks/
+
+
 def test_training_dynamics(runs, tmp_path):
     m = execute("training_dynamics", tmp_path, runs=[str(runs / "train")], out_dir=str(tmp_path / "out"))
     assert m["n_runs"] == 2 and set(m["runs"]) == {"rkl seed 0", "rkl seed 1"}

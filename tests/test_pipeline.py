@@ -279,6 +279,21 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     (repo / recipe).write_text(text)
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
+    # leftovers of a dropped seed (DVC leaves them under runs/) change neither the report nor the notebooks
+    report0 = json.loads((runs / "report" / "report.json").read_text())
+    nb0 = {nb: json.loads((runs / "notebooks" / nb / "metrics.json").read_text())
+           for nb in ("repeat_runs", "eval_comparison", "training_dynamics")}
+    stray = json.loads((runs / "eval" / "rkl" / "seed1.json").read_text()) | {"seed": "9", "accuracy": 1.0}
+    (runs / "eval" / "rkl" / "seed9.json").write_text(json.dumps(stray))
+    shutil.copy(runs / "eval" / "rkl" / "seed1.jsonl", runs / "eval" / "rkl" / "seed9.jsonl")
+    shutil.copytree(runs / "train" / "rkl" / "seed1", runs / "train" / "rkl" / "seed9")
+    config9 = runs / "train" / "rkl" / "seed9" / "config.yaml"
+    config9.write_text(yaml.safe_dump(yaml.safe_load(config9.read_text()) | {"seed": 9}, sort_keys=False))
+    assert _ran(_dvc(repo, env, "repro")) == {"report", "nb_training_dynamics", "nb_eval_comparison", "nb_repeat_runs"}
+    assert json.loads((runs / "report" / "report.json").read_text()) == report0
+    for nb, metrics in nb0.items():
+        assert json.loads((runs / "notebooks" / nb / "metrics.json").read_text()) == metrics, nb
+
     # the same seed trained again from scratch gives the same metrics
     steps = runs / "train" / "rkl" / "seed0" / "metrics" / "train.jsonl"
     losses0 = [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())]

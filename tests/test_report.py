@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,9 @@ import torch
 
 from opdkit.cli import main
 from opdkit.inspection import delta_colour, inspect_rollouts, summary, tokens_html
-from opdkit.report import eval_paths, format_report, load_evals, per_question_correct, report, train_dirs
+from opdkit.config import load_config
+from opdkit.report import (eval_paths, expand_runs, format_report, load_evals, per_question_correct,
+                           pipeline_matrix, report, train_dirs)
 from opdkit.stats import compare_arms
 
 ACC = {"rkl": [0.50, 0.53, 0.51], "jsd": [0.56, 0.58, 0.55]}
@@ -110,6 +113,48 @@ def test_train_dirs_finds_runs_and_names_what_is_wrong(tmp_path):
     assert train_dirs([tmp_path / "rkl" / "seed1", tmp_path / "rkl"])[0].name == "seed1"
     with pytest.raises(FileNotFoundError, match="neither an `opdkit train --out` directory"):
         train_dirs([tmp_path])
+
+
+def test_pipeline_matrix_and_run_patterns():
+    cfg = load_config(None, ["loss.name=jsd", "pipeline.baseline_arm=rkl", "pipeline.seeds=[3, 1]"])
+    assert pipeline_matrix(cfg) == [("jsd", 3), ("jsd", 1), ("rkl", 3), ("rkl", 1)]
+    assert pipeline_matrix(load_config(None, ["pipeline.seeds=[0]"])) == [("rkl", 0)]  # one arm when they agree
+    got = expand_runs(["ref.json", "e/{arm}/seed{seed}.json", "t/{arm}"], cfg)
+    assert got == [Path("ref.json"), *(Path(f"e/{a}/seed{s}.json") for a in ("jsd", "rkl") for s in (3, 1)),
+                   Path("t/jsd"), Path("t/rkl")]  # a pattern without {seed}: once per arm
+    with pytest.raises(ValueError, match=r"run pattern 'e/\{arm\}/\{run\}': only \{arm\} and \{seed\}"):
+        expand_runs(["e/{arm}/{run}"], cfg)
+
+
+def test_a_stray_run_folder_does_not_change_the_report(evals, tmp_path, capsys):
+    """Outputs of a seed or an arm that params.yaml no longer lists stay under runs/ (DVC leaves them):
+    the pipeline's pattern reads only the listed ones, so the report is the same with them there."""
+    params = tmp_path / "params.yaml"
+    params.write_text("loss:\n  name: jsd\npipeline:\n  seeds: [0, 1, 2]\n  baseline_arm: rkl\n")
+    pattern = str(evals / "{arm}" / "seed{seed}.json")
+    argv = ["report", pattern, str(evals / "reference" / "before.json"), "--baseline", "rkl", "-p", str(params)]
+    assert main(argv) == 0
+    clean = json.loads(capsys.readouterr().out)
+    write_eval(evals / "jsd" / "seed3.json", "jsd", 3, 0.99)  # a dropped seed
+    write_eval(evals / "k1" / "seed0.json", "k1", 0, 0.99)  # a dropped arm
+    for d in ("jsd", "rkl"):
+        (tmp_path / "train" / d / "seed9" / "metrics").mkdir(parents=True)
+        (tmp_path / "train" / d / "seed9" / "metrics" / "train.jsonl").write_text('{"step": 1}\n')
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == clean
+    assert clean["groups"]["jsd"]["n"] == 3 and set(clean["groups"]) == {"before", "jsd", "rkl"}
+    assert report([evals / "jsd", evals / "rkl"])["groups"]["jsd"]["n"] == 4  # a folder counts all it holds
+    # -S, as with every command; the training runs the same way
+    assert main([*argv, "-S", "pipeline.seeds=[0, 1]"]) == 0
+    assert json.loads(capsys.readouterr().out)["groups"]["jsd"]["seeds"] == [0, 1]
+    for s in (0, 1, 2):
+        (tmp_path / "train" / "jsd" / f"seed{s}" / "metrics").mkdir(parents=True)
+        (tmp_path / "train" / "jsd" / f"seed{s}" / "metrics" / "train.jsonl").write_text('{"step": 1}\n')
+    runs = train_dirs(expand_runs([tmp_path / "train" / "{arm}" / "seed{seed}"], load_config(None, ["loss.name=jsd",
+                                                                                               "pipeline.baseline_arm=jsd"])))
+    assert [d.name for d in runs] == ["seed0", "seed1", "seed2"]
+    assert main(["report", pattern, "-p", str(params), "-S", "pipeline.seeds=[5]"]) == 2
+    assert "seed5.json does not exist" in capsys.readouterr().err
 
 
 # --- inspection -------------------------------------------------------------------------------
