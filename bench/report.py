@@ -1,5 +1,6 @@
 """Markdown tables from ``opd_bench.py`` JSON results:
-``python bench/report.py roofline=r.json s1=s1.json s2=s2.json s1_short=s1_512.json trl=trl_512.json``.
+``python bench/report.py roofline=r.json s1=s1.json trl=trl_7168.json s2=s2.json s1_short=s1_512.json trl_short=trl_512.json``
+(``trl`` goes beside ``s1``, ``trl_short`` beside ``s1_short``).
 
 Step figures are the mean over the measured steps after the first (the first pays for CUDA-graph
 capture, cuBLAS and allocator warm-up); with one step only, that step.
@@ -74,7 +75,7 @@ def report(results: dict[str, dict]) -> str:
         out += [f"Device: {r['device']}, torch {r['torch']}, transformers {r['transformers']}. Measured ceilings: "
                 f"device copy {bw / 1e12:.2f} TB/s (read + write), bf16 8192³ matmul {r['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s; "
                 f"a kernel launch {r.get('eager_launch_us', 0):.1f} µs eager, {r.get('graph_node_us', 0):.2f} µs per node in a CUDA graph.", ""]
-    for key, other in (("s1", None), ("s1_short", "trl")):
+    for key, other in (("s1", "trl"), ("s1_short", "trl_short")):
         if key in results:
             out += _s1_table(results[key], results.get(other) if other else None, bw) + [""]
     s2 = results.get("s2")

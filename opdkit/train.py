@@ -206,6 +206,11 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _clock(device: torch.device) -> float:
     """Wall time after the device's queued work is done (else GPU seconds land in the next phase)."""
     if device.type == "cuda":
@@ -403,6 +408,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 row["alignment"] = align
             metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()
+            _reset_peak_memory(run.device)  # the next row's peak: its step, and any publishing before it
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('kl') or 0:.4f}", s=f"{last_step_s:.2f}")
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
