@@ -133,7 +133,8 @@ def cmd_train(args) -> int:
         _probe_lock(out)  # before anything slow is imported
     cfg = _config(args)
     _quiet_datasets()
-    from opdkit.publish import PublishError, surviving_checkpoints_message
+    from opdkit.checkpoints import surviving_checkpoints_message
+    from opdkit.publish import PublishError
     from opdkit.train import preflight, train
 
     if args.check:
@@ -168,7 +169,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from opdkit.publish import is_valid_checkpoint
+    from opdkit.checkpoints import is_valid_checkpoint
 
     all_ok = True
     for d in args.dir:

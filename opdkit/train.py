@@ -43,9 +43,10 @@ import torch
 from tqdm.auto import tqdm
 
 from opdkit import distributed, opd
+from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text, retry_io
-from opdkit.publish import Publisher, is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
+from opdkit.publish import Publisher
 from opdkit.rollout import make_engine
 from opdkit.schedules import lr_at
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from opdkit import distributed
+from opdkit.checkpoints import validate_checkpoint
 from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.models import load_model
-from opdkit.publish import validate_checkpoint
 from opdkit.setup import RunError, export_state_dict, make_optimizer, trainable_state
 from opdkit.teacher import unwrap
 

@@ -25,18 +25,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers import PreTrainedTokenizerFast
 
 from opdkit import fsutil, publish
-from opdkit.fsutil import LockHeld, OutputLock, atomic_write_json, retry_io
-from opdkit.publish import (
+from opdkit.checkpoints import (
     InvalidCheckpoint,
-    PublishError,
-    Publisher,
-    export_checkpoint,
     is_valid_checkpoint,
     latest_valid_checkpoint,
     list_checkpoints,
     surviving_checkpoints_message,
     validate_checkpoint,
 )
+from opdkit.fsutil import LockHeld, OutputLock, atomic_write_json, retry_io
+from opdkit.publish import PublishError, Publisher, export_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = dict(retries=3, backoff_s=0.001)

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from opdkit import train as train_mod
+from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.config import load_config
-from opdkit.publish import is_valid_checkpoint, list_checkpoints
 from opdkit.setup import RunError
 from opdkit.train import train
 from procs import env

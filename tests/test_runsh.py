@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
-from opdkit.publish import is_valid_checkpoint, list_checkpoints
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
