@@ -179,7 +179,7 @@ def test_shard_run_carries_a_restored_optimizer_state_over(world1):
 
 def _torchrun(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "opdkit", "train", "--out", str(out), "--quiet"]
+           "-m", "opdkit", "train", "--out", str(out), "-p", "none", "--quiet"]  # built-in defaults, as _single
     for kv in [*TINY, *overrides]:
         cmd += ["-S", kv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
