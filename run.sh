@@ -39,6 +39,9 @@ if [[ -n "${TEACHER_MODEL:-}" ]]; then args+=(-S "teacher.path=$TEACHER_MODEL");
 if [[ -n "${TRAIN_DATA:-}" ]]; then args+=(-S "data.train=$TRAIN_DATA"); fi
 if [[ -n "${MAX_WALL_TIME_SECONDS:-}" ]]; then args+=(-S "budget.max_wall_time_s=$MAX_WALL_TIME_SECONDS"); fi
 if [[ -n "${DEADLINE_RESERVE_SECONDS:-}" ]]; then args+=(-S "budget.deadline_reserve_s=$DEADLINE_RESERVE_SECONDS"); fi
+if [[ -n "${EXPERIMENT_NAME:-}" ]]; then  # a YAML single-quoted string, whatever it holds
+    args+=(-S "experiment_name='${EXPERIMENT_NAME//\'/\'\'}'")
+fi
 for kv in "$@"; do args+=(-S "$kv"); done
 
 if ((NPROC > 1)); then

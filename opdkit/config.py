@@ -185,6 +185,7 @@ class EmbeddedConfig:
 class Config:
     seed: int = 0
     recipe: str = ""  # a params overlay under recipes/ applied over this file; "" = none (opdkit.recipes)
+    experiment_name: str = ""  # a label, recorded with the run (checkpoints' opdkit.json, run.json); run.sh: EXPERIMENT_NAME
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     data: DataConfig = field(default_factory=DataConfig)

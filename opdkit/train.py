@@ -58,6 +58,7 @@ RUN_FILE = "run.json"
 # two different runs together. Paths may change too (files move), the data fingerprint may not.
 RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "pipeline", "embedded")
 PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
+LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
 
 
 @dataclass
@@ -128,7 +129,7 @@ def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> Non
     """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
     old, new = _flat(state["config"]), _flat(to_dict(cfg))
     fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
-             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS and old[k] != new[k]]
+             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS and old[k] != new[k]]
     if fixed:
         changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
         raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
@@ -228,11 +229,12 @@ def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> 
     return None
 
 
-def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World) -> TrainResult:
+def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
+            experiment_name: str = "") -> TrainResult:
     result = TrainResult("completed", reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
     if not world.is_main:
         return result
-    atomic_write_json(out / RUN_FILE, result.__dict__)
+    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name})
     log(f"training ended ({reason}) at step {step} after {elapsed:.1f}s; {surviving_checkpoints_message(out / 'checkpoints')}")
     return result
 
@@ -299,7 +301,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         reason, done = world.from_main((reason, bool(reason) and _is_published(out, step)))
         if done:
             log(f"this run already reached its end ({reason}) and checkpoint-{step} is published: nothing to do")
-            return _finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world)
+            return _finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world, cfg.experiment_name)
 
     run = build_run(cfg, inputs, log)
     run.extras["code_revision"] = code_revision()
@@ -424,4 +426,4 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             _save_state(out, run, step, elapsed, data_pos, log)
             _publish(publisher, run, step, elapsed)
         publisher.close()  # raises PublishError if any export failed
-    return _finish(out, reason, step, elapsed, log, world)
+    return _finish(out, reason, step, elapsed, log, world, cfg.experiment_name)

@@ -43,19 +43,19 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
     data = asset("train")
     env_vars = dict(OUTPUT_DIR=str(out), STUDENT_MODEL=str(asset("student")), TEACHER_MODEL=str(asset("teacher")),
                     TRAIN_DATA=str(data), MAX_WALL_TIME_SECONDS="14", DEADLINE_RESERVE_SECONDS="4",
-                    EXPERIMENT_NAME="smoke")
+                    EXPERIMENT_NAME="smoke's 1")
     args = [*TINY, "publish.every_steps=5"]
     proc = run_sh(tmp_path, *args, **env_vars)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # it prints what it runs: the env mapped to overrides, then the trailing ones
     running = next(ln for ln in proc.stdout.splitlines() if ln.startswith("run.sh: running: "))
-    assert f"-m opdkit train --out {out} " in running and "experiment smoke" in proc.stdout
+    assert f"-m opdkit train --out {out} " in running and "experiment smoke's 1" in proc.stdout
     for kv in (f"student.path={asset('student')}", f"teacher.path={asset('teacher')}", f"data.train={data}",
                "budget.max_wall_time_s=14", "budget.deadline_reserve_s=4", "publish.every_steps=5"):
         assert f"-S {kv}" in running
 
     run = json.loads((out / "run.json").read_text())
-    assert (run["status"], run["reason"]) == ("completed", "wall_clock")
+    assert (run["status"], run["reason"], run["experiment_name"]) == ("completed", "wall_clock", "smoke's 1")
     final = out / "checkpoints" / f"checkpoint-{run['step']}"
     assert proc.stdout.rstrip().endswith(f"final checkpoint {final}")
     assert list_checkpoints(out / "checkpoints")[-1] == final
@@ -63,6 +63,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
         assert is_valid_checkpoint(c) == (True, "ok")
     meta = json.loads((final / "opdkit.json").read_text())
     assert meta["step"] == run["step"] and meta["params"]["budget"]["max_wall_time_s"] == 14.0
+    assert meta["params"]["experiment_name"] == "smoke's 1"
     assert {"elapsed_s", "data_fingerprint", "code_revision", "source_student"} <= set(meta)
     rows = [json.loads(ln) for ln in (out / "metrics" / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, run["step"] + 1)) and all(METRIC_KEYS <= set(r) for r in rows)
@@ -71,7 +72,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
         assert r["elapsed_s"] + r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"] + 4 < 14
     assert (out / "state" / "trainer_state.pt").is_file()
 
-    again = run_sh(tmp_path, *args, **env_vars)
+    again = run_sh(tmp_path, *args, **{**env_vars, "EXPERIMENT_NAME": "renamed"})  # a label: resumes all the same
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout and "nothing to do" in again.stdout
     assert "alignment check" not in again.stdout  # no step ran
