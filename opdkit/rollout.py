@@ -261,12 +261,10 @@ def _concat(parts, prompt_index_B, pad_id) -> Rollout:
     )
 
 
-def make_engine(cfg, model, tokenizer, batch_size: int | None = None) -> RolloutEngine:
-    """The engine named by ``cfg.rollout.engine``; ``batch_size`` (sequences per decode call)
-    defaults to ``cfg.rollout.batch_size``."""
+def make_engine(cfg, model, tokenizer) -> RolloutEngine:
+    """The engine named by ``cfg.rollout.engine`` (HF: ``cfg.rollout.batch_size`` sequences per decode call)."""
     if cfg.rollout.engine == "hf":
-        bs = cfg.rollout.batch_size if batch_size is None else batch_size
-        return HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=bs)
+        return HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=cfg.rollout.batch_size)
     from opdkit.vllm_engine import VLLMEngine  # optional extra
 
     return VLLMEngine(cfg, model, tokenizer)

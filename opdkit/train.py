@@ -230,7 +230,7 @@ def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> 
 
 
 def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
-            experiment_name: str = "") -> TrainResult:
+            experiment_name: str) -> TrainResult:
     result = TrainResult("completed", reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
     if not world.is_main:
         return result
