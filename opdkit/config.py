@@ -22,6 +22,9 @@ class ConfigError(ValueError):
     """A params file or override that does not fit the schema (the message names the key)."""
 
 
+SFT_SOURCES = ("teacher", "reference")  # loss.sft_source (and a pipeline control arm's sft_source)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""  # HF directory; "" = the embedded default
@@ -153,9 +156,36 @@ class StudiesConfig:
 
 
 @dataclass(frozen=True)
+class ControlArm:
+    """A supervised control arm of the pipeline (``loss.name=sft``), trained over ``pipeline.seeds``
+    beside the OPD arms; its runs are ``runs/train/<name>/seed<n>`` and its evals are tagged ``arm=<name>``."""
+
+    name: str = "sft_teacher"
+    sft_source: str = "teacher"  # its loss.sft_source: teacher samples | reference solutions
+    steps: int = 120  # its budget.max_steps (the lr schedule's horizon too)
+    every_steps: int = 30  # its publish.every_steps: the checkpoints of its learning curve
+    # steps: `steps` = budget.max_steps (matched steps); wall: `steps` calibrated so that the arm
+    # trains as long as the baseline arm's budget.max_steps (python -m opdkit.stages.calibrate)
+    match: str = "steps"
+
+    def __post_init__(self):
+        for key, allowed in (("sft_source", SFT_SOURCES), ("match", ("steps", "wall"))):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"params key 'pipeline.controls' (arm {self.name!r}): {key} must be one of "
+                                  f"{', '.join(allowed)}; got {getattr(self, key)!r}")
+        if self.steps < 1 or self.every_steps < 1:
+            raise ConfigError(f"params key 'pipeline.controls' (arm {self.name!r}): steps and every_steps must be "
+                              f">= 1; got {self.steps} and {self.every_steps}")
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
-    baseline_arm: str = "rkl"
+    baseline_arm: str = "rkl"  # the OPD arms are loss.name and this one, each at budget.max_steps
+    controls: tuple[ControlArm, ...] = (
+        ControlArm("sft_teacher", "teacher", 117, 30, "wall"),  # provisional calibration (params.yaml says how)
+        ControlArm("sft_reference", "reference", 120, 30, "steps"),
+    )
 
 
 @dataclass(frozen=True)
@@ -208,7 +238,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.engine": ("hf", "vllm"),
     "loss.name": ("k1", "k3", "topk_fkl", "fkl", "rkl", "jsd", "sft"),
     "loss.clip": ("none", "entry", "token"),
-    "loss.sft_source": ("teacher", "reference"),
+    "loss.sft_source": SFT_SOURCES,
     "optim.schedule": ("constant", "linear", "cosine", "wallclock_cosine"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),

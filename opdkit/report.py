@@ -1,43 +1,81 @@
-"""Repeat-run reports over eval JSONs, and the readers the analysis notebooks share.
+"""Repeat-run reports over eval JSONs, learning curves, and the readers the analysis notebooks share.
 
 ``report(paths, baseline, group_key)`` is what ``opdkit report`` prints: one row per eval JSON
-(``runs``), the repeat statistics of each group of runs (``groups``: mean, sd, se over seeds, and
-the mean within-eval clustered stderr), and each group's difference against the baseline group
-(``comparisons``: Welch ``diff``, its ``se`` and ``diff_in_se`` = diff / se, as OPD experiment
-logs report "+1.8 SE vs the baseline"; ``diff_in_baseline_se`` = diff / the baseline's own se).
-The statistics are ``opdkit.stats``'s; this module only gathers the inputs and shapes the output.
+(``runs``), the repeat statistics of each group of runs (``groups``: mean, sd, se over seeds, the
+mean within-eval clustered stderr, and the arm's ``steps`` and ``match`` tags), and each group's
+difference against the baseline group (``comparisons``): Welch's unpaired test (``diff``, its ``se``,
+``diff_in_se`` = diff / se, as OPD experiment logs report "+1.8 SE vs the baseline", ``df``,
+``p_value``) and ``paired`` (by seed: the same seed's prompt order and sample seeds in both arms;
+the mean and se of the per-seed differences, ``p_value`` of the paired t-test, df = seeds - 1);
+``diff_in_baseline_se`` = diff / the baseline's own se. The statistics are ``opdkit.stats``'s; this
+module only gathers the inputs and shapes the output.
 
 An eval JSON is the ``opdkit eval`` output (DESIGN.md): ``accuracy``, ``stderr`` and the tags
-given with ``--tag`` (the pipeline tags ``arm=<loss.name>`` and ``seed=<n>``). The per-sample
-records sit beside it with the suffix ``.jsonl``.
+given with ``--tag`` (the pipeline tags ``arm=<arm>``, ``seed=<n>``, ``step=<checkpoint step>`` and
+``match=steps|wall``). The per-sample records sit beside it with the suffix ``.jsonl``.
 
-The pipeline's runs are named by a pattern, e.g. ``runs/eval/{arm}/seed{seed}.json``, filled in for
-each (arm, seed) of dvc.yaml's train matrix (``pipeline_matrix``), so the report and the notebooks
-read exactly the runs params.yaml lists: outputs of a seed or arm dropped from params.yaml that
-still lie under ``runs/`` are never counted (a directory, by contrast, stands for all it holds).
+The pipeline's arms (``pipeline_arms``): the OPD arms ``loss.name`` and ``pipeline.baseline_arm`` at
+``budget.max_steps``, and the supervised controls of ``pipeline.controls`` at their own step budgets.
+Its runs are named by a pattern, e.g. ``runs/eval/{arm}/seed{seed}.json``, filled in for each (arm,
+seed) of dvc.yaml's train matrices (``pipeline_matrix``), so the report and the notebooks read
+exactly the runs params.yaml lists: outputs of a seed or arm dropped from params.yaml that still lie
+under ``runs/`` are never counted (a directory, by contrast, stands for all it holds).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
-from opdkit.config import Config
-from opdkit.stats import compare_arms, summarize_runs
+import numpy as np
+
+from opdkit.config import Config, ConfigError
+from opdkit.stats import compare_arms, paired_question_diff, repeat_stats, summarize_runs
 
 RUN_FIELDS = ("accuracy", "stderr", "n_questions", "n_samples", "truncated_frac", "mean_response_tokens")
+TAG_FIELDS = ("step", "match")  # the pipeline's tags of an arm's run, kept per group
 PATTERN_FIELDS = ("{arm}", "{seed}")
+RESERVED_ARMS = ("before", "teacher", "reference")  # the reference evals' tags and folder
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of the pipeline: what its train stages set over params.yaml (``-S`` in dvc.yaml), its
+    step budget, and how it is matched to the baseline (``baseline``, ``steps`` or ``wall``)."""
+
+    name: str
+    overrides: tuple[str, ...]
+    steps: int
+    match: str
+
+
+def pipeline_arms(cfg: Config) -> list[Arm]:
+    """The arms dvc.yaml trains: ``loss.name`` then ``pipeline.baseline_arm`` (one arm when they are
+    equal) at ``budget.max_steps``, then each of ``pipeline.controls`` (``loss.name=sft`` from the teacher
+    model, its own ``steps`` and checkpoint spacing). Raises ``ConfigError`` for a repeated or reserved name.
+
+    Pass the params as dvc.yaml reads them (``opdkit.config.load_config("params.yaml")``, without
+    the recipe: the train stages set these keys with ``-S``, over any recipe)."""
+    opd = dict.fromkeys([cfg.loss.name, cfg.pipeline.baseline_arm])
+    arms = [Arm(name, (f"loss.name={name}",), cfg.budget.max_steps,
+                "baseline" if name == cfg.pipeline.baseline_arm else "steps") for name in opd]
+    arms += [Arm(c.name, ("loss.name=sft", f"loss.sft_source={c.sft_source}", "teacher.source=model",
+                          f"budget.max_steps={c.steps}", f"publish.every_steps={c.every_steps}"), c.steps, c.match)
+             for c in cfg.pipeline.controls]
+    names = [a.name for a in arms]
+    clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(RESERVED_ARMS)))
+    if clash:
+        raise ConfigError(f"params key 'pipeline.controls': arm name(s) {clash} repeat an OPD arm (loss.name, "
+                          f"pipeline.baseline_arm), another control, or a reserved name ({', '.join(RESERVED_ARMS)})")
+    return arms
 
 
 def pipeline_matrix(cfg: Config) -> list[tuple[str, int]]:
-    """The (arm, seed) pairs dvc.yaml trains and evaluates: arms ``loss.name`` then
-    ``pipeline.baseline_arm`` (one arm when they are equal), each over ``pipeline.seeds``.
-
-    Pass the params as dvc.yaml reads them (``opdkit.config.load_config("params.yaml")``, without
-    the recipe: the train stages set ``loss.name`` to the arm with ``-S``, over any recipe)."""
-    arms = dict.fromkeys([cfg.loss.name, cfg.pipeline.baseline_arm])
-    return [(arm, seed) for arm in arms for seed in cfg.pipeline.seeds]
+    """The (arm, seed) pairs dvc.yaml trains and evaluates: each of ``pipeline_arms(cfg)`` over
+    ``pipeline.seeds``."""
+    return [(arm.name, seed) for arm in pipeline_arms(cfg) for seed in cfg.pipeline.seeds]
 
 
 def expand_runs(paths: list[str | Path], cfg: Config) -> list[Path]:
@@ -99,6 +137,7 @@ def load_evals(paths: list[str | Path], group_key: str = "arm") -> list[dict]:
                              f"--tag {group_key}=NAME --tag seed=N")
         rec = {"file": str(p), group_key: raw[group_key], "seed": _seed(raw.get("seed", 0))}
         rec.update({k: raw[k] for k in RUN_FIELDS if k in raw})
+        rec.update({k: _seed(raw[k]) for k in TAG_FIELDS if k in raw})
         records.append(rec)
     return records
 
@@ -114,50 +153,114 @@ def _finite(x):
     return x
 
 
+def _tag(runs: list[dict], key: str):
+    """The one value of tag ``key`` among ``runs`` (None if absent; a list if they disagree)."""
+    values = list(dict.fromkeys(r[key] for r in runs if key in r))
+    return None if not values else values[0] if len(values) == 1 else values
+
+
+def paired_seed_diff(arm: dict, baseline: dict) -> dict:
+    """Paired comparison over the seeds both arms ran (``{seed: accuracy}`` each): the per-seed
+    differences' mean, se and paired t-test, i.e. ``stats.paired_question_diff`` with each seed as the
+    unit (one score per unit). ``n`` seeds; ``seeds`` the common ones."""
+    common = [s for s in arm if s in baseline]
+    r = paired_question_diff([[arm[s]] for s in common], [[baseline[s]] for s in common])
+    return {"diff": r["diff"], "se": r["se"], "diff_in_se": r["diff_in_se"], "df": len(common) - 1,
+            "p_value": r["p_value"], "p_method": r["p_method"], "n": len(common), "seeds": common}
+
+
 def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm") -> dict:
     """Repeat-run statistics over eval JSONs (files or directories of them), grouped by
     ``group_key``; ``baseline`` names the group the others are compared with (None: no
-    comparisons). Groups with fewer than 2 runs are summarised (sd/se null) but not compared.
-    NaN/inf never appear in the result (null / "inf"), so it is strict JSON."""
+    comparisons). Groups with fewer than 2 runs are summarised (sd/se null) but not compared; the
+    paired comparison needs >= 2 seeds in common. NaN/inf never appear in the result (null /
+    "inf"), so it is strict JSON."""
     runs = load_evals(paths, group_key)
     runs.sort(key=lambda r: (str(r[group_key]), str(r["seed"])))
     groups = summarize_runs(runs, group_key=group_key)
+    for name, g in groups.items():
+        mine = [r for r in runs if r[group_key] == name]
+        g.update(steps=_tag(mine, "step"), match="baseline" if name == baseline else _tag(mine, "match"))
     comparisons, skipped = {}, {}
     if baseline is not None:
         if baseline not in groups:
             raise ValueError(f"report: baseline {group_key}={baseline!r} is not among the evals "
                              f"(groups: {', '.join(map(str, groups))})")
-        base = [r["accuracy"] for r in runs if r[group_key] == baseline]
+        base = {r["seed"]: r["accuracy"] for r in runs if r[group_key] == baseline}
         for name in groups:
             if name == baseline:
                 continue
-            vals = [r["accuracy"] for r in runs if r[group_key] == name]
+            vals = {r["seed"]: r["accuracy"] for r in runs if r[group_key] == name}
             if len(vals) < 2 or len(base) < 2:
                 skipped[name] = f"needs >= 2 runs in both groups (has {len(vals)} vs {len(base)} for {baseline})"
                 continue
-            c = compare_arms(vals, base)
+            c = compare_arms(list(vals.values()), list(base.values()))
             se_base = c["baseline"]["se"]
-            comparisons[name] = {
+            paired = paired_seed_diff(vals, base) if len(set(vals) & set(base)) >= 2 else None
+            comparisons[name] = {  # Welch (unpaired) at the top level, the seed-paired test under "paired"
                 "diff": c["diff"], "se": c["se"], "diff_in_se": c["diff_in_se"], "df": c["df"],
                 "p_value": c["p_value"], "p_method": c["p_method"],
                 "diff_in_baseline_se": c["diff"] / se_base if se_base > 0 else float("nan"),
+                "paired": paired, "match": groups[name]["match"], "steps": groups[name]["steps"],
             }
     return _finite({"group_key": group_key, "baseline": baseline, "runs": runs, "groups": groups,
                     "comparisons": comparisons, "not_compared": skipped})
 
 
+def _num(x, fmt: str) -> str:
+    return "n/a" if x is None or isinstance(x, str) else format(x, fmt)
+
+
 def format_report(result: dict) -> str:
-    """The report as a few lines of text: 'arm: mean +- se (sd, n seeds) ... +x.x SE vs base'."""
-    lines = []
+    """The report as a text table: per group steps, match, mean +- se over n seeds, and against the
+    baseline the difference, Welch's diff/se and p, and the seed-paired diff/se and p."""
+    head = f"{'arm':<16} {'steps':>6} {'match':<8} {'mean +- se (n)':<22} {'diff':>8} {'Welch SE':>9} {'p':>7} " \
+           f"{'paired SE':>9} {'p':>7}"
+    lines = [head, "-" * len(head)]
     for name, g in result["groups"].items():
-        se = "n/a" if g["se"] is None else f"{g['se']:.4f}"
-        sd = "n/a" if g["sd"] is None else f"{g['sd']:.4f}"
-        line = f"{name}: {g['mean']:.4f} +- {se} (sd {sd}, {g['n']} run(s); mean eval stderr {g['mean_stderr']:.4f})"
+        cell = f"{g['mean']:.4f} +- {_num(g['se'], '.4f')} ({g['n']})"
+        line = f"{str(name):<16} {str(g.get('steps') or ''):>6} {str(g.get('match') or ''):<8} {cell:<22}"
         c = result["comparisons"].get(name)
-        if c is not None and c["diff_in_se"] is not None:
-            line += f"; {c['diff']:+.4f} = {c['diff_in_se']:+.2f} SE vs {result['baseline']}"
+        if c is not None:
+            pr = c["paired"] or {}
+            line += (f" {c['diff']:+8.4f} {_num(c['diff_in_se'], '+9.2f')} {_num(c['p_value'], '7.3f')} "
+                     f"{_num(pr.get('diff_in_se'), '+9.2f')} {_num(pr.get('p_value'), '7.3f')}")
         lines.append(line)
+    lines.append(f"(diff = arm - {result['baseline']}; SE columns: diff / its standard error; mean eval stderr per "
+                 "group in the JSON)")
     return "\n".join(lines)
+
+
+def learning_curves(curve_files: list[str | Path], before: str | Path | None = None) -> dict:
+    """Per arm, the learning curve averaged over seeds, from ``opdkit.stages.eval_run``'s
+    ``curve.json`` files (one per run, tagged ``arm`` and ``seed``).
+
+    Returns ``{arm: [point, ...]}`` sorted by step; a point has ``step``, ``mean`` and ``se``
+    (accuracy over the seeds evaluated at that step: ``stats.repeat_stats``; se null with one seed),
+    ``n``, ``elapsed_s`` and ``tokens`` (means over those seeds: training seconds and cumulative
+    completion tokens at that step) and ``elapsed_s_se``. With ``before`` (the eval JSON of the
+    student before training) every curve starts at step 0, 0 s, 0 tokens with its accuracy, whose se is
+    that eval's clustered stderr (every seed starts from the same model)."""
+    by_arm: dict = {}
+    for f in map(Path, curve_files):
+        c = json.loads(f.read_text())
+        if "arm" not in c or "points" not in c:
+            raise ValueError(f"learning_curves: {f} is not a curve.json of opdkit.stages.eval_run (needs arm, points)")
+        for p in c["points"]:
+            by_arm.setdefault(c["arm"], {}).setdefault(p["step"], []).append(p)
+    start = json.loads(Path(before).read_text()) if before is not None else None
+    out = {}
+    for arm, steps in by_arm.items():
+        points = [{"step": 0, "mean": start["accuracy"], "se": start["stderr"], "n": 1, "elapsed_s": 0.0,
+                   "elapsed_s_se": 0.0, "tokens": 0}] if start is not None and 0 not in steps else []
+        for step in sorted(steps):
+            ps = steps[step]
+            acc, secs = repeat_stats([p["accuracy"] for p in ps]), repeat_stats([p["elapsed_s"] for p in ps])
+            points.append({"step": step, "mean": acc["mean"], "se": acc["se"], "n": acc["n"],
+                           "elapsed_s": secs["mean"], "elapsed_s_se": secs["se"],
+                           "tokens": float(np.mean([p["tokens"] for p in ps]))})
+        out[arm] = points
+    return _finite(out)
 
 
 # --- readers for the notebooks ----------------------------------------------------------------
@@ -190,11 +293,12 @@ def train_dirs(paths: list[str | Path]) -> list[Path]:
 
 
 def run_label(run_dir: str | Path) -> str:
-    """``"<loss.name> seed <seed>"`` from the resolved params a run saved (``config.yaml``)."""
+    """``"<arm> seed <seed>"`` from the resolved params a run saved (``config.yaml``): the arm is its
+    ``experiment_name`` (the pipeline names each run after its arm), else its ``loss.name``."""
     from opdkit.config import load_config
 
     cfg = load_config(Path(run_dir) / "config.yaml")
-    return f"{cfg.loss.name} seed {cfg.seed}"
+    return f"{cfg.experiment_name or cfg.loss.name} seed {cfg.seed}"
 
 
 def train_metrics(run_dir: str | Path) -> list[dict]:

@@ -34,7 +34,8 @@ def _stages(root: Path):
 def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
     stages = _stages(ROOT)
     names = {name.split("@")[0] for name, _, _ in stages}
-    assert {"embedded", "data", "train", "eval_reference", "eval", "report", "study_padding", "study_clipped_mass",
+    assert {"embedded", "data", "train", "train_control", "eval_reference", "eval", "eval_control", "report",
+            "study_padding", "study_clipped_mass",
             "nb_training_dynamics", "nb_eval_comparison", "nb_repeat_runs", "nb_rollout_inspection",
             "nb_study_padding", "nb_study_clipped_mass"} <= names
     for name, cmd, deps in stages:
@@ -53,7 +54,7 @@ def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
 
 # what a stage command that builds a run config (params < recipe < -S) looks like
 BUILDS_A_CONFIG = ("opdkit train ", "opdkit eval ", "opdkit study ", "python -m opdkit.stages.subset ",
-                   "notebooks/rollout_inspection.ipynb ")
+                   "python -m opdkit.stages.eval_run ", "notebooks/rollout_inspection.ipynb ")
 
 
 def test_stages_that_build_a_config_pin_the_recipe():
@@ -74,8 +75,8 @@ def test_stages_that_build_a_config_pin_the_recipe():
         if builds:
             assert "opdkit/recipes.py" in files, name
             pinned.add(name.split("@")[0])
-    assert pinned == {"data", "train", "eval_reference", "eval", "study_padding", "study_clipped_mass",
-                      "nb_rollout_inspection"}
+    assert pinned == {"data", "train", "train_control", "eval_reference", "eval", "eval_control", "study_padding",
+                      "study_clipped_mass", "nb_rollout_inspection"}
 
 
 def test_every_seed_and_arm_gets_a_train_and_an_eval_stage():
@@ -89,6 +90,14 @@ def test_every_seed_and_arm_gets_a_train_and_an_eval_stage():
     for arm in arms:
         for seed in params["pipeline"]["seeds"]:
             assert f"train@{arm}-{seed}" in names and f"eval@{arm}-{seed}" in names
+    # the controls: sft on teacher samples and on reference solutions, each over the seeds
+    controls = params["pipeline"]["controls"]
+    assert {c["sft_source"] for c in controls} == {"teacher", "reference"}
+    for i, c in enumerate(controls):
+        assert c["match"] in ("steps", "wall") and (c["match"] == "wall" or c["steps"] == params["budget"]["max_steps"])
+        assert c["steps"] // c["every_steps"] <= params["publish"]["keep"]  # every curve checkpoint is kept
+        for seed in params["pipeline"]["seeds"]:
+            assert f"train_control@control{i}-{seed}" in names and f"eval_control@control{i}-{seed}" in names
 
 
 def test_subset_stage_selects_like_the_commands_and_pins_a_fingerprint(tmp_path):
@@ -124,7 +133,9 @@ TINY = {
     "eval": {"n_samples": 2, "max_new_tokens": 48, "max_questions": 6},
     "runtime": {"threads": 1},
     "studies": {"n_prompts": 3, "samples_per_prompt": 1, "padding_k": [0, 2], "clip_tau": [0.0, 0.1, ".inf"]},
-    "pipeline": {"seeds": [0, 1]},
+    "pipeline": {"seeds": [0, 1],  # one control (each stage starts a process): its own step budget and spacing
+                 "controls": [{"name": "sft_reference", "sft_source": "reference", "steps": 4, "every_steps": 2,
+                               "match": "wall"}]},
 }
 
 # Logs, per DVC stage (DVC sets DVC_STAGE for each command; notebook kernels inherit it), each opdkit
@@ -226,7 +237,27 @@ def test_dvc_repro_on_tiny_params(tmp_path):
         ev = json.loads((runs / "eval" / "rkl" / f"seed{seed}.json").read_text())
         assert ev["arm"] == "rkl" and ev["seed"] == str(seed) and ev["n_questions"] == 6 and 0 <= ev["accuracy"] <= 1
     rep = json.loads((runs / "report" / "report.json").read_text())
-    assert set(rep["groups"]) == {"before", "teacher", "rkl"} and rep["groups"]["rkl"]["n"] == 2
+    assert set(rep["groups"]) == {"before", "teacher", "rkl", "sft_reference"} and rep["groups"]["rkl"]["n"] == 2
+    # the control: its own step budget, every kept checkpoint evaluated, compared with the baseline
+    assert [p.name for p in sorted((runs / "train" / "sft_reference" / "seed1" / "checkpoints").iterdir())] == [
+        "checkpoint-2", "checkpoint-4"]
+    cfg1 = yaml.safe_load((runs / "train" / "sft_reference" / "seed1" / "config.yaml").read_text())
+    assert cfg1["loss"]["name"] == "sft" and cfg1["loss"]["sft_source"] == "reference" and cfg1["seed"] == 1
+    c = rep["comparisons"]["sft_reference"]
+    assert c["match"] == "wall" and c["steps"] == 4 and c["paired"]["seeds"] == [0, 1]
+    curve = json.loads((runs / "curves" / "sft_reference" / "seed1" / "curve.json").read_text())
+    assert [p["step"] for p in curve["points"]] == [2, 4] and curve["arm"] == "sft_reference"
+    final = json.loads((runs / "eval" / "sft_reference" / "seed1.json").read_text())
+    assert curve["points"][-1]["accuracy"] == final["accuracy"] and final["step"] == "4"
+    rows = [json.loads(ln) for ln in (runs / "train" / "sft_reference" / "seed1" / "metrics" / "train.jsonl").open()]
+    assert curve["points"][0]["tokens"] == rows[0]["tokens"] + rows[1]["tokens"]
+    # the stage's final eval is `opdkit eval` of the last checkpoint, byte for byte
+    direct = runs / "direct.json"
+    _run([sys.executable, "-m", "opdkit", "eval", "--model", "runs/train/rkl/seed0/checkpoints/checkpoint-3", "--data",
+          "runs/data/eval.parquet", "--out", str(direct), "--tag", "arm=rkl", "--tag", "seed=0", "--tag", "match=steps",
+          "--tag", "step=3", "--quiet"], repo, env)
+    assert json.loads(direct.read_text()) == json.loads((runs / "eval" / "rkl" / "seed0.json").read_text())
+    direct.unlink(), direct.with_suffix(".jsonl").unlink()
     assert rep["groups"]["teacher"]["mean"] > rep["groups"]["before"]["mean"]
     for nb in ("training_dynamics", "eval_comparison", "repeat_runs", "rollout_inspection", "study_padding",
                "study_clipped_mass"):
@@ -275,7 +306,9 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     (repo / recipe).write_text(text + "optim:\n  lr: 2.0e-4\n")
     changed = set(json.loads(_dvc(repo, env, "status", "--json")))
     assert changed == {"data", "train@rkl-0", "train@rkl-1", "eval_reference@before", "eval_reference@teacher",
-                       "eval@rkl-0", "eval@rkl-1", "study_padding", "study_clipped_mass", "nb_rollout_inspection"}
+                       "eval@rkl-0", "eval@rkl-1", "train_control@control0-0", "train_control@control0-1",
+                       "eval_control@control0-0", "eval_control@control0-1", "study_padding", "study_clipped_mass",
+                       "nb_rollout_inspection"}
     (repo / recipe).write_text(text)
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
@@ -301,3 +334,16 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     assert [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())] == losses0
     _dvc(repo, env, "repro", "--force", "--single-item", "eval@rkl-0")
     assert json.loads((runs / "eval" / "rkl" / "seed0.json").read_text()) == before0
+
+
+def test_calibration_takes_the_median_step_and_matches_the_baseline_wall_clock():
+    from opdkit.config import load_config
+    from opdkit.stages.calibrate import seconds_per_step, wall_matched
+
+    rows = [{"step": i + 1, "elapsed_s": t} for i, t in enumerate([9.0, 10.0, 11.5, 12.0, 14.0])]
+    assert seconds_per_step(rows, skip=1) == 1.5  # steps of 1.0 | 1.5, 0.5, 2.0 -> median 1.5
+    with pytest.raises(ValueError, match="raise --steps"):
+        seconds_per_step(rows, skip=4)
+    cfg = load_config(None, ["budget.max_steps=120"])
+    assert wall_matched(cfg, s_baseline=1.0, s_arm=0.5, every_points=4) == (240, 60)  # twice as fast: 240 steps
+    assert wall_matched(cfg, s_baseline=1.0, s_arm=0.09, every_points=4) == (1333, 334)  # 120 / 0.09 = 1333.3

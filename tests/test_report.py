@@ -14,10 +14,12 @@ import torch
 from opdkit.cli import main
 from opdkit.inspection import delta_colour, inspect_rollouts, summary, tokens_html
 from opdkit.config import load_config
-from opdkit.report import (eval_paths, expand_runs, format_report, load_evals, per_question_correct,
-                           pipeline_matrix, report, train_dirs)
+from opdkit.config import ConfigError
+from opdkit.report import (eval_paths, expand_runs, format_report, learning_curves, load_evals, per_question_correct,
+                           pipeline_arms, pipeline_matrix, report, train_dirs)
 from opdkit.stats import compare_arms
 
+ROOT = Path(__file__).resolve().parents[1]
 ACC = {"rkl": [0.50, 0.53, 0.51], "jsd": [0.56, 0.58, 0.55]}
 
 
@@ -56,7 +58,39 @@ def test_report_groups_and_compares_arms_with_the_stats_functions(evals):
     assert r["groups"]["before"]["sd"] is None and "before" in r["not_compared"]
     assert "rkl" not in r["comparisons"]
     json.dumps(r, allow_nan=False)  # strict JSON: NaN became null
-    assert "jsd: 0.5633" in format_report(r) and "SE vs rkl" in format_report(r)
+    table = format_report(r)
+    jsd_line = next(ln for ln in table.splitlines() if ln.startswith("jsd "))
+    assert "0.5633 +- 0.0088 (3)" in jsd_line and f"{c['diff_in_se']:+.2f}" in jsd_line and "arm - rkl" in table
+
+
+def test_welch_and_seed_paired_p_values_match_scipy(evals):
+    """Welch's t-test and the paired t-test over seeds (seed s of one arm against seed s of the baseline),
+    against scipy.stats.ttest_ind(equal_var=False) and ttest_rel on the same per-seed accuracies."""
+    from scipy import stats as sps
+
+    c = report([evals / "jsd", evals / "rkl"], baseline="rkl")["comparisons"]["jsd"]
+    welch = sps.ttest_ind(ACC["jsd"], ACC["rkl"], equal_var=False)
+    assert c["diff_in_se"] == pytest.approx(welch.statistic) and c["p_value"] == pytest.approx(welch.pvalue, rel=1e-6)
+    paired = sps.ttest_rel(ACC["jsd"], ACC["rkl"])
+    assert c["paired"]["diff_in_se"] == pytest.approx(paired.statistic)
+    assert c["paired"]["p_value"] == pytest.approx(paired.pvalue, rel=1e-6)
+    assert c["paired"]["n"] == 3 and c["paired"]["df"] == 2 and c["paired"]["seeds"] == [0, 1, 2]
+    d = np.subtract(ACC["jsd"], ACC["rkl"])
+    assert c["paired"]["se"] == pytest.approx(d.std(ddof=1) / math.sqrt(3))
+
+
+def test_paired_comparison_uses_only_the_seeds_both_arms_ran(tmp_path):
+    for seed, a in enumerate([0.5, 0.52, 0.49]):
+        write_eval(tmp_path / f"b{seed}.json", "rkl", seed, a)
+    for seed, a in ((1, 0.6), (2, 0.58), (5, 0.9)):
+        write_eval(tmp_path / f"a{seed}.json", "sft_teacher", seed, a, step="178", match="wall")
+    r = report([tmp_path], baseline="rkl")
+    c = r["comparisons"]["sft_teacher"]
+    from scipy import stats as sps
+
+    assert c["paired"]["seeds"] == [1, 2] and c["paired"]["p_value"] == pytest.approx(
+        sps.ttest_rel([0.6, 0.58], [0.52, 0.49]).pvalue, rel=1e-6)
+    assert c["match"] == "wall" and c["steps"] == 178 and r["groups"]["rkl"]["match"] == "baseline"
 
 
 def test_report_without_baseline_and_with_duplicate_paths(evals):
@@ -115,10 +149,13 @@ def test_train_dirs_finds_runs_and_names_what_is_wrong(tmp_path):
         train_dirs([tmp_path])
 
 
+NO_CONTROLS = "pipeline.controls=[]"
+
+
 def test_pipeline_matrix_and_run_patterns():
-    cfg = load_config(None, ["loss.name=jsd", "pipeline.baseline_arm=rkl", "pipeline.seeds=[3, 1]"])
+    cfg = load_config(None, ["loss.name=jsd", "pipeline.baseline_arm=rkl", "pipeline.seeds=[3, 1]", NO_CONTROLS])
     assert pipeline_matrix(cfg) == [("jsd", 3), ("jsd", 1), ("rkl", 3), ("rkl", 1)]
-    assert pipeline_matrix(load_config(None, ["pipeline.seeds=[0]"])) == [("rkl", 0)]  # one arm when they agree
+    assert pipeline_matrix(load_config(None, ["pipeline.seeds=[0]", NO_CONTROLS])) == [("rkl", 0)]  # one arm when they agree
     got = expand_runs(["ref.json", "e/{arm}/seed{seed}.json", "t/{arm}"], cfg)
     assert got == [Path("ref.json"), *(Path(f"e/{a}/seed{s}.json") for a in ("jsd", "rkl") for s in (3, 1)),
                    Path("t/jsd"), Path("t/rkl")]  # a pattern without {seed}: once per arm
@@ -126,11 +163,55 @@ def test_pipeline_matrix_and_run_patterns():
         expand_runs(["e/{arm}/{run}"], cfg)
 
 
+def test_pipeline_arms_are_the_opd_arms_then_the_controls_with_their_budgets():
+    cfg = load_config(ROOT / "params.yaml")
+    arms = pipeline_arms(cfg)
+    assert [a.name for a in arms] == ["rkl", "sft_teacher", "sft_reference"]
+    assert arms[0].steps == cfg.budget.max_steps and arms[0].match == "baseline"
+    sft_t, sft_r = arms[1], arms[2]
+    assert "loss.sft_source=teacher" in sft_t.overrides and "loss.sft_source=reference" in sft_r.overrides
+    assert sft_r.steps == cfg.budget.max_steps and sft_r.match == "steps" and sft_t.match == "wall"
+    # each arm's overrides are what its train stage in dvc.yaml sets (the command names them all)
+    import yaml
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for arm in arms:
+        cmd = stages["train" if arm.match == "baseline" else "train_control"]["cmd"]
+        for o in arm.overrides:
+            key = o.split("=")[0]
+            assert f"-S {key}=" in cmd, (arm.name, o)
+    with pytest.raises(ConfigError, match=r"arm name\(s\) \['rkl'\] repeat"):
+        pipeline_arms(load_config(None, ["pipeline.controls=[{name: rkl}]"]))
+    with pytest.raises(ConfigError, match="reserved"):
+        pipeline_arms(load_config(None, ["pipeline.controls=[{name: before}]"]))
+    with pytest.raises(ConfigError, match="match must be one of steps, wall"):
+        load_config(None, ["pipeline.controls=[{name: x, match: flops}]"])
+
+
+def test_learning_curves_average_each_step_over_seeds(tmp_path):
+    pts = {0: [(60, 30.0, 900, 0.40), (120, 61.0, 1800, 0.50)], 1: [(60, 32.0, 1000, 0.44), (120, 66.0, 2100, 0.56)]}
+    files = []
+    for seed, rows in pts.items():
+        f = tmp_path / f"c{seed}.json"
+        f.write_text(json.dumps({"arm": "rkl", "seed": str(seed), "points": [
+            {"step": st, "elapsed_s": e, "tokens": t, "accuracy": a, "stderr": 0.02} for st, e, t, a in rows]}))
+        files.append(f)
+    before = write_eval(tmp_path / "before.json", "before", None, 0.30, stderr=0.025)
+    (start, p60, p120), = learning_curves(files, before=before).values()
+    assert start == {"step": 0, "mean": 0.30, "se": 0.025, "n": 1, "elapsed_s": 0.0, "elapsed_s_se": 0.0, "tokens": 0}
+    assert p120["step"] == 120 and p120["n"] == 2 and p120["mean"] == pytest.approx(0.53)
+    assert p120["se"] == pytest.approx(np.std([0.50, 0.56], ddof=1) / math.sqrt(2))
+    assert p60["elapsed_s"] == pytest.approx(31.0) and p60["tokens"] == pytest.approx(950)
+    assert p60["elapsed_s_se"] == pytest.approx(np.std([30.0, 32.0], ddof=1) / math.sqrt(2))
+    with pytest.raises(ValueError, match="is not a curve.json"):
+        learning_curves([before])
+
+
 def test_a_stray_run_folder_does_not_change_the_report(evals, tmp_path, capsys):
     """Outputs of a seed or an arm that params.yaml no longer lists stay under runs/ (DVC leaves them):
     the pipeline's pattern reads only the listed ones, so the report is the same with them there."""
     params = tmp_path / "params.yaml"
-    params.write_text("loss:\n  name: jsd\npipeline:\n  seeds: [0, 1, 2]\n  baseline_arm: rkl\n")
+    params.write_text("loss:\n  name: jsd\npipeline:\n  seeds: [0, 1, 2]\n  baseline_arm: rkl\n  controls: []\n")
     pattern = str(evals / "{arm}" / "seed{seed}.json")
     argv = ["report", pattern, str(evals / "reference" / "before.json"), "--baseline", "rkl", "-p", str(params)]
     assert main(argv) == 0
@@ -150,8 +231,8 @@ def test_a_stray_run_folder_does_not_change_the_report(evals, tmp_path, capsys):
     for s in (0, 1, 2):
         (tmp_path / "train" / "jsd" / f"seed{s}" / "metrics").mkdir(parents=True)
         (tmp_path / "train" / "jsd" / f"seed{s}" / "metrics" / "train.jsonl").write_text('{"step": 1}\n')
-    runs = train_dirs(expand_runs([tmp_path / "train" / "{arm}" / "seed{seed}"], load_config(None, ["loss.name=jsd",
-                                                                                               "pipeline.baseline_arm=jsd"])))
+    runs = train_dirs(expand_runs([tmp_path / "train" / "{arm}" / "seed{seed}"], load_config(None, [
+        "loss.name=jsd", "pipeline.baseline_arm=jsd", NO_CONTROLS])))
     assert [d.name for d in runs] == ["seed0", "seed1", "seed2"]
     assert main(["report", pattern, "-p", str(params), "-S", "pipeline.seeds=[5]"]) == 2
     assert "seed5.json does not exist" in capsys.readouterr().err

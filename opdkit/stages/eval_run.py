@@ -1,0 +1,78 @@
+"""DVC stages ``eval`` / ``eval_control``: evaluate every kept checkpoint of one training run.
+
+The final checkpoint (``checkpoint-<--steps>``, which must be the run's last) is evaluated into
+``--out`` exactly as ``opdkit eval --model it --out OUT`` writes it (this driver calls that command, in
+one process for all checkpoints, so the model-free start-up is paid once); the earlier kept ones
+into ``--curve-dir/checkpoint-<step>.json``. ``--curve-dir/curve.json`` then lists, per evaluated
+checkpoint, the step, the run's elapsed training seconds and cumulative completion tokens at that step
+(from ``metrics/train.jsonl``), and the accuracy with its clustered stderr: the learning curve that
+``opdkit.report.learning_curves`` averages over seeds. The tags (``--tag arm=rkl --tag seed=0``) go into
+every eval JSON and the curve.
+
+    python -m opdkit.stages.eval_run --run runs/train/rkl/seed0 --steps 120 --data runs/data/eval.parquet \
+        --out runs/eval/rkl/seed0.json --curve-dir runs/curves/rkl/seed0 --tag arm=rkl --tag seed=0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from opdkit.checkpoints import list_checkpoints, step_of
+from opdkit.cli import main as opdkit_main
+from opdkit.report import read_jsonl
+
+
+def curve_point(eval_json: Path, step: int, metrics: list[dict]) -> dict:
+    """One point of a learning curve: ``step``, ``elapsed_s`` and ``tokens`` (cumulative) at that step of the
+    run's metrics rows, with the eval's ``accuracy`` and ``stderr``; step 0 is the start (0 s, 0 tokens)."""
+    upto = [r for r in metrics if r["step"] <= step]
+    if step and (not upto or upto[-1]["step"] != step):
+        raise ValueError(f"metrics/train.jsonl has no row for step {step} (the checkpoint {eval_json.stem}): "
+                         "is it the run this checkpoint came from?")
+    ev = json.loads(eval_json.read_text())
+    return {"step": step, "elapsed_s": upto[-1]["elapsed_s"] if step else 0.0,
+            "tokens": int(sum(r["tokens"] for r in upto)), "accuracy": ev["accuracy"], "stderr": ev["stderr"],
+            "file": str(eval_json)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m opdkit.stages.eval_run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", required=True, help="an `opdkit train --out` directory")
+    ap.add_argument("--steps", type=int, required=True, help="the run's step budget: its last checkpoint's step")
+    ap.add_argument("--data", required=True, help="eval table (parquet/jsonl)")
+    ap.add_argument("--out", required=True, help="eval JSON of the final checkpoint (the .jsonl beside it)")
+    ap.add_argument("--curve-dir", required=True, help="eval JSONs of the earlier checkpoints and curve.json")
+    ap.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("-p", "--params", default=None)
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    run, curve_dir = Path(args.run), Path(args.curve_dir)
+    checkpoints = list_checkpoints(run / "checkpoints")
+    if not checkpoints or step_of(checkpoints[-1]) != args.steps:
+        print(f"opdkit.stages.eval_run: error: {run}/checkpoints ends at "
+              f"{checkpoints[-1].name if checkpoints else 'no checkpoint'}, expected checkpoint-{args.steps} "
+              "(the arm's step budget)", file=sys.stderr)
+        return 2
+    common = ["--data", args.data, "--quiet", *sum((["--tag", t] for t in args.tag), []),
+              *(["-p", args.params] if args.params else []), *sum((["-S", s] for s in args.overrides), [])]
+    metrics = read_jsonl(run / "metrics" / "train.jsonl")
+    points = []
+    for ck in checkpoints:
+        step = step_of(ck)
+        out = Path(args.out) if step == args.steps else curve_dir / f"{ck.name}.json"
+        status = opdkit_main(["eval", "--model", str(ck), "--out", str(out), "--tag", f"step={step}", *common])
+        if status:
+            return status
+        points.append(curve_point(out, step, metrics))
+    tags = dict(t.partition("=")[::2] for t in args.tag)
+    curve_dir.mkdir(parents=True, exist_ok=True)
+    (curve_dir / "curve.json").write_text(json.dumps({**tags, "run": str(run), "points": points}, indent=2) + "\n")
+    print(f"{run}: evaluated {', '.join(ck.name for ck in checkpoints)}; wrote {args.out} and {curve_dir / 'curve.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
