@@ -17,6 +17,7 @@ from opdkit.cli import main
 from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.report import per_question_correct, report, train_metrics
+from opdkit.stages import eval_run
 from opdkit.stats import paired_question_diff
 from opdkit.train import train
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 SEEDS = (0, 1)
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=16",
-        "budget.max_steps=3", "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=0",
+        "budget.max_steps=3", "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=2",
         "runtime.threads=1"]
 EVAL = ["eval.n_samples=2", "eval.max_new_tokens=16", "eval.max_questions=6", "runtime.threads=1"]
 
@@ -48,9 +49,10 @@ def runs(tmp_path_factory):
     for seed in SEEDS:
         train(load_config(None, [*TINY, f"seed={seed}"]), root / "train" / f"seed{seed}", log=lambda *a: None,
               progress=False)
-        ck = root / "train" / f"seed{seed}" / "checkpoints" / "checkpoint-3"
-        assert main(["eval", "--model", str(ck), "--out", str(root / "eval" / "rkl" / f"seed{seed}.json"),
-                     "--tag", "arm=rkl", "--tag", f"seed={seed}", "--quiet", *sum((["-S", s] for s in EVAL), [])]) == 0
+        assert eval_run.main(["--run", str(root / "train" / f"seed{seed}"), "--steps", "3", "--data", str(asset("eval")),
+                              "--out", str(root / "eval" / "rkl" / f"seed{seed}.json"),
+                              "--curve-dir", str(root / "curves" / "rkl" / f"seed{seed}"), "--tag", "arm=rkl",
+                              "--tag", f"seed={seed}", "-p", "none", *sum((["-S", s] for s in EVAL), [])]) == 0
     for arm, model in (("before", asset("student")), ("teacher", asset("teacher"))):
         assert main(["eval", "--model", str(model), "--out", str(root / "eval" / "reference" / f"{arm}.json"),
                      "--tag", f"arm={arm}", "--quiet", *sum((["-S", s] for s in EVAL), [])]) == 0
@@ -100,7 +102,8 @@ def test_notebooks_opened_from_the_notebooks_folder_read_the_listed_runs(runs, t
     (root / "notebooks").mkdir(parents=True)
     (root / "dvc.yaml").write_text("stages: {}\n")
     (root / "params.yaml").write_text(yaml.safe_dump({"loss": {"name": "rkl"},
-                                                      "pipeline": {"seeds": list(SEEDS), "baseline_arm": "rkl"}}))
+                                                      "pipeline": {"seeds": list(SEEDS), "baseline_arm": "rkl",
+                                                                   "controls": []}}))
     shutil.copytree(runs / "eval", root / "runs" / "eval")
     for seed in SEEDS:
         shutil.copytree(runs / "train" / f"seed{seed}", root / "runs" / "train" / "rkl" / f"seed{seed}")
@@ -136,8 +139,10 @@ def test_training_dynamics(runs, tmp_path):
 
 def test_eval_comparison(runs, tmp_path):
     ev = runs / "eval"
+    curves = [str(runs / "curves" / "rkl" / f"seed{s}" / "curve.json") for s in SEEDS]
     m = execute("eval_comparison", tmp_path, before=str(ev / "reference" / "before.json"),
-                teacher=str(ev / "reference" / "teacher.json"), after=[str(ev / "rkl")], out_dir=str(tmp_path / "out"))
+                teacher=str(ev / "reference" / "teacher.json"), after=[str(ev / "rkl")], curves=curves,
+                out_dir=str(tmp_path / "out"))
     before = json.loads((ev / "reference" / "before.json").read_text())
     teacher = json.loads((ev / "reference" / "teacher.json").read_text())
     after = [json.loads((ev / "rkl" / f"seed{s}.json").read_text())["accuracy"] for s in SEEDS]
@@ -147,6 +152,15 @@ def test_eval_comparison(runs, tmp_path):
                                per_question_correct(ev / "reference" / "before.json"))
     assert m["after_minus_before"]["rkl seed 1"]["diff"] == pytest.approx(ref["diff"])
     assert (tmp_path / "out" / "eval_comparison.png").is_file()
+    # learning curve: the student before training at step 0, then each kept checkpoint (2, and the final 3)
+    start, mid, end = m["curves"]["rkl"]
+    assert (start["step"], start["mean"], start["se"], start["tokens"]) == (0, before["accuracy"], before["stderr"], 0)
+    mids = [json.loads((runs / "curves" / "rkl" / f"seed{s}" / "checkpoint-2.json").read_text())["accuracy"] for s in SEEDS]
+    assert mid["step"] == 2 and mid["n"] == 2 and mid["mean"] == pytest.approx(sum(mids) / 2)
+    assert end["step"] == 3 and end["mean"] == pytest.approx(sum(after) / 2)
+    tokens = [sum(r["tokens"] for r in train_metrics(runs / "train" / f"seed{s}")) for s in SEEDS]
+    assert end["tokens"] == pytest.approx(sum(tokens) / 2)
+    assert (tmp_path / "out" / "learning_curves.png").stat().st_size > 10_000
 
 
 def test_repeat_runs(runs, tmp_path):
