@@ -1,7 +1,8 @@
 """The embedded default: the shipped synthetic task and tiny teacher/student HF directories.
 
 ``ASSETS`` holds what ``opdkit embedded --rebuild`` produced on the reference machine
-(``manifest.json`` records every file's sha256 and how the models were made).
+(``manifest.json`` records every file's sha256 and how the models were made; manifests written since
+issue 17 also record the torch build and CPU capability, which a rebuild's weights depend on).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def copy_shipped(out: Path) -> None:
 
 
 def write_manifest(root: Path, config: dict, made: dict) -> dict:
+    """``root/manifest.json``: the build config, how the parts were made (``build.build``'s description,
+    whose ``environment`` names the torch build and CPU capability the weights' bits depend on) and the
+    sha256 of every file."""
     manifest = {"config": config, "made": made, "files": file_hashes(root)}
     (root / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

@@ -6,16 +6,24 @@ student (same Llama shape) starts from the teacher's run part-way
 on solutions whose additions drop every carry: a systematic error the teacher can correct on the
 student's own samples, as in real OPD. Step counts are fixed, so the same seed gives the same
 files whatever else the machine is doing.
+
+Bit-identical, though, only under the same floating-point kernels: the data files depend on Python's
+``random`` alone and rebuild identically anywhere, while the weights depend on the torch build and the
+CPU kernels it dispatches to (``torch.backends.cpu.get_cpu_capability()``: e.g. AVX2 vs AVX512), which
+change the float reduction order. ``environment()`` records both in the manifest (``made.environment``),
+so a rebuild can be compared with the build it should reproduce.
 """
 
 from __future__ import annotations
 
 import math
+import platform
 import random
 import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from opdkit.config import EmbeddedConfig
@@ -93,6 +101,14 @@ def save_model(model, tok, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+def environment(threads: int) -> dict:
+    """What the weights' bits depend on besides the config: the torch build, the CPU kernels it uses,
+    the thread count, and the transformers and Python versions."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": threads, "transformers": transformers.__version__, "python": platform.python_version(),
+            "machine": platform.machine()}
+
+
 def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
     """Write ``out/{data,teacher,student}``; returns a description of how they were made."""
     torch.manual_seed(e.seed)
@@ -127,6 +143,7 @@ def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
     save_model(student, tok, out / "student")
     return {
         "build_seconds": round(time.time() - t0, 1),
+        "environment": environment(e.threads),
         "teacher": f"LlamaForCausalLM, {sum(p.numel() for p in teacher.parameters())} parameters, "
                    f"{e.teacher_steps} supervised steps on reference solutions (cosine lr {e.lr} -> 0)",
         "student": f"LlamaForCausalLM of the same shape, initialised from the teacher's run at step "
