@@ -42,13 +42,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, opd
+from opdkit import distributed, loss_table, opd
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text, retry_io
 from opdkit.publish import Publisher
 from opdkit.rollout import make_engine
-from opdkit.schedules import lr_at
+from opdkit.schedules import lr_at, wallclock_horizon_s
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
 
 STATE_FILE = "state/trainer_state.pt"
@@ -320,7 +320,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     engine = distributed.wrap_engine(make_engine(cfg, run.student, run.tokenizer), run.student)
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (distributed.wrap_engine(make_engine(cfg, run.teacher, run.tokenizer), run.teacher)
-                      if cfg.loss.name == "sft" and cfg.loss.sft_source == "teacher" else None)
+                      if loss_table.samples_from(cfg.loss) == "teacher" else None)
     engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     pad_id = run.tokenizer.pad_token_id
@@ -332,6 +332,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     elif step:
         _publish(publisher, run, step, elapsed)  # the state's weights were never published: do it now
         published_step = step
+    first_step = step  # the alignment check runs on the first batch of every start
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
     with publisher, metrics_f, bar:
         while True:
@@ -342,9 +343,11 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if reason:
                 break
             t0 = _clock(run.device)
+            # the wall-clock cosine anneals to when this loop will stop (see _should_stop)
             lr = lr_at(cfg.optim.schedule, step=step, total_steps=horizon, elapsed_s=elapsed,
-                       budget_s=cfg.budget.max_wall_time_s, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
-                       warmup_steps=cfg.optim.warmup_steps)
+                       budget_s=wallclock_horizon_s(cfg.budget.max_wall_time_s, cfg.budget.deadline_reserve_s,
+                                                    last_step_s),
+                       lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps)
             for g in run.optimizer.param_groups:
                 g["lr"] = lr
 
@@ -354,7 +357,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P)][mine]
             data_pos += P
             prompts = run.prompts(examples)
-            if cfg.loss.name == "sft" and cfg.loss.sft_source == "reference":
+            if loss_table.samples_from(cfg.loss) == "reference":
                 sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
                 rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
             else:
@@ -372,8 +375,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
             batch = opd.Batch(rollout, t_ids, t_mask)
             t1 = _clock(run.device)
-            align = opd.alignment_report(batch, run.student, cfg.runtime.logprob_chunk, cfg.runtime.unpadded_rows) if (
-                cfg.runtime.alignment_check and step == 0 and cfg.loss.name != "sft") else None
+            align = None
+            if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
+                with run.autocast():  # recomputed as the loss recomputes them; AlignmentError stops the run
+                    align = opd.alignment_report(cfg, batch, run.student, run.dtype)
             if align:
                 log(f"alignment check passed on the first batch: {align}")
 
