@@ -3,8 +3,9 @@
 - ``constant``: lr throughout.
 - ``linear``: lr at step 0 down to min_lr at step >= total_steps.
 - ``cosine``: half-cosine from lr at step 0 to min_lr at step >= total_steps.
-- ``wallclock_cosine``: the same half-cosine over elapsed wall time, reaching min_lr when the
-  training loop stops (``wallclock_horizon_s``: the budget less the reserve and one step).
+- ``wallclock_cosine``: the same half-cosine over wall time, from the run's first step to when
+  the training loop stops (``wallclock_clock``, ``wallclock_horizon_s``: the budget less the
+  reserve and one step), so the last step runs at min_lr up to one step's worth.
 
 ``lr_at`` dispatches by name and multiplies by the linear warmup factor
 ``min(1, (step + 1) / warmup_steps)``; the decay runs from step 0 (it does not wait for warmup).
@@ -64,6 +65,20 @@ def wallclock_horizon_s(max_wall_time_s: float, deadline_reserve_s: float, step_
     if max_wall_time_s <= 0:
         return 0.0
     return max(max_wall_time_s - deadline_reserve_s - step_s, 1e-9)
+
+
+def wallclock_clock(elapsed_s: float, start_s: float, max_wall_time_s: float, deadline_reserve_s: float,
+                    step_s: float) -> tuple[float, float]:
+    """(seconds into the wall-clock schedule, its length) for ``wallclock_cosine``.
+
+    The schedule starts at ``start_s``, the elapsed time of the run's first step (start-up, which
+    the wall budget counts, is not training), and ends at ``wallclock_horizon_s``. (0, 0)
+    without a wall budget.
+    """
+    if max_wall_time_s <= 0:
+        return 0.0, 0.0
+    end_s = wallclock_horizon_s(max_wall_time_s, deadline_reserve_s, step_s)
+    return max(elapsed_s - start_s, 0.0), max(end_s - start_s, 1e-9)
 
 
 def wallclock_cosine(elapsed_s: float, budget_s: float, lr: float, min_lr: float) -> float:

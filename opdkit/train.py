@@ -48,7 +48,7 @@ from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text, retry_io
 from opdkit.publish import Publisher
 from opdkit.rollout import make_engine
-from opdkit.schedules import lr_at, wallclock_horizon_s
+from opdkit.schedules import lr_at, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
 
 STATE_FILE = "state/trainer_state.pt"
@@ -92,7 +92,7 @@ def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, l
     if not distributed.current().is_main:
         return
     state = {
-        "step": step, "elapsed_s": elapsed, "data_pos": data_pos,
+        "step": step, "elapsed_s": elapsed, "data_pos": data_pos, "lr_clock_start_s": run.extras["lr_clock_start_s"],
         "model": model, "optimizer": optimizer, "ema": ema,
         "rng": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
@@ -305,6 +305,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
 
     run = build_run(cfg, inputs, log)
     run.extras["code_revision"] = code_revision()
+    # states saved before the key existed: their schedule started at 0 s
+    run.extras["lr_clock_start_s"] = state.get("lr_clock_start_s", 0.0) if state is not None else None
     if state is not None:
         _restore(run, state)  # unsharded, on every rank
     del state
@@ -343,10 +345,12 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if reason:
                 break
             t0 = _clock(run.device)
-            # the wall-clock cosine anneals to when this loop will stop (see _should_stop)
-            lr = lr_at(cfg.optim.schedule, step=step, total_steps=horizon, elapsed_s=elapsed,
-                       budget_s=wallclock_horizon_s(cfg.budget.max_wall_time_s, cfg.budget.deadline_reserve_s,
-                                                    last_step_s),
+            if run.extras["lr_clock_start_s"] is None:  # the run's first step starts the wall-clock schedule
+                run.extras["lr_clock_start_s"] = elapsed
+            # ... which ends when this loop will stop (see _should_stop)
+            lr_elapsed_s, lr_budget_s = wallclock_clock(elapsed, run.extras["lr_clock_start_s"], cfg.budget.max_wall_time_s,
+                                                        cfg.budget.deadline_reserve_s, last_step_s)
+            lr = lr_at(cfg.optim.schedule, step=step, total_steps=horizon, elapsed_s=lr_elapsed_s, budget_s=lr_budget_s,
                        lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps)
             for g in run.optimizer.param_groups:
                 g["lr"] = lr
