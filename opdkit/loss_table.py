@@ -56,8 +56,7 @@ LOSSES: dict[str, LossSpec] = {s.name: s for s in (
     LossSpec("k2", "k2_loss", _TOKEN, "token", lambda L: {}, ("kl", "k2", "ratio_max", "tokens"),
              "KL(p_S || p_T)", "1/2 (log p_S - log p_T)^2 of each sampled token, differentiated directly"),
     LossSpec("k3", "k3_loss", _TOKEN, "token", lambda L: {}, ("kl", "k3", "ratio_max", "tokens"),
-             "KL(p_T || p_S)", "r - 1 - log r (r = p_T / p_S) of each sampled token, differentiated directly "
-             "(its gradient is the forward KL's)"),
+             "KL(p_T || p_S)", "r - 1 - log r (r = p_T / p_S) of each sampled token, differentiated directly"),
     LossSpec("topk_fkl", "topk_fkl_loss", ("logits_B_T_V", "topk_ids_B_T_K", "topk_logp_B_T_K", "mask_B_T", "n_tokens"),
              "topk", lambda L: {"tail_bucket": L.tail_bucket},
              ("fkl_topk", "rkl_topk", "teacher_topk_mass", "student_topk_mass", "topk_overlap", "tokens"),
