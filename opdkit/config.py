@@ -144,9 +144,9 @@ class RuntimeConfig:
     unpadded_rows: bool = False
     alignment_check: bool = True  # check teacher/student alignment on the first batch (stops the run if it fails)
     # allowed (max, mean) |recomputed - sampling-time log-prob| of the sampled tokens in that check,
-    # by compute dtype: fp32 recomputes agree to ~1e-5; bf16 kernels differ by up to ~0.1-0.5 per token
+    # by compute dtype: fp32 recomputes agree to ~1e-6; bf16 kernels (and vLLM) differ by up to ~1 on rare tokens
     alignment_tol_fp32: tuple[float, float] = (1.0e-3, 1.0e-4)
-    alignment_tol_bf16: tuple[float, float] = (1.0, 0.05)
+    alignment_tol_bf16: tuple[float, float] = (2.0, 0.05)
     teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
 
 

@@ -10,6 +10,8 @@ gradient over the student's samples is the gradient of the divergence its docstr
   ∇KL(p_T || p_S) (forward KL).
 - ``sft_loss``: negative log-likelihood of the given tokens (the SFT control).
 
+(defined in ``opdkit.token_losses``, re-exported here).
+
 Full-distribution losses (student logits and teacher log-probs over the vocabulary, ``*_B_T_V``):
 
 - ``fkl_loss``: forward KL(p_T || p_S) per position (mode-covering).
@@ -182,6 +184,8 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
 def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
     """Forward KL(p_T || p_S) = sum_v p_T (log p_T - log p_S) per position, token-mean over the step.
 
+    Exact over the vocabulary: its gradient is ∇KL(p_T || p_S) (unclipped).
+
     ``clip="entry"``: each summand -> min(p_T log(p_T / p_S), tau); ``clip="token"``: the position's
     KL times min(1, tau / KL).detach(). ``student_logits_B_T_V`` raw logits (with grad),
     ``teacher_logp_B_T_V`` normalised teacher log-probs, ``mask_B_T`` 1 = completion token.
@@ -197,6 +201,8 @@ def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
 def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
     """Reverse KL(p_S || p_T) = sum_v p_S (log p_S - log p_T) per position, token-mean over the step.
 
+    Exact over the vocabulary: its gradient is ∇KL(p_S || p_T) (unclipped).
+
     ``clip="entry"``: each summand -> min(p_S log(p_S / p_T), tau) (summands can be negative; only
     the top is capped; ``clipped_mass`` still reports the teacher mass of clipped entries);
     ``clip="token"``: as in ``fkl_loss``. Shapes and metrics as in ``fkl_loss``.
@@ -211,6 +217,8 @@ def jsd_loss(
     student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, beta, clip="none", tau=math.inf, *, k=8
 ):
     """Generalized JSD (GKD, TRL ``generalized_jsd_loss``) per position, token-mean over the step.
+
+    Exact over the vocabulary: its gradient is ∇JSD_beta(p_T, p_S) (unclipped).
 
     beta=0: exactly KL(p_T || p_S); beta=1: exactly KL(p_S || p_T); otherwise, with
     m = beta p_T + (1 - beta) p_S (in log space), beta KL(p_T || m) + (1 - beta) KL(p_S || m); the
@@ -231,6 +239,9 @@ def topk_fkl_loss(
     student_logits_B_T_V, topk_ids_B_T_K, topk_logp_B_T_K, mask_B_T, n_tokens, tail_bucket=True, *, k=8
 ):
     """Forward KL over the teacher's top-K ids, token-mean over the step.
+
+    Its gradient is that of KL(q_T || q_S) between the (K+1)-bucket (or renormalised K-way)
+    versions q of both distributions: ∇KL(p_T || p_S) when the top-K holds all teacher mass.
 
     ``topk_ids_B_T_K``: the teacher's K (distinct) top token ids per position; ``topk_logp_B_T_K``:
     the teacher's normalised (full-vocabulary) log-probs of those ids. ``tail_bucket=True``: a

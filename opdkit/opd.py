@@ -63,6 +63,13 @@ def student_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
                           ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
 
 
+def check_precision(cfg: Config, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The lower precision of the scorer (``compute_dtype``) and the sampler: on CUDA the static
+    decoder (``rollout.static_cache``) and vLLM sample with bf16 weights whatever the compute dtype."""
+    bf16_sampler = device.type == "cuda" and (cfg.rollout.engine == "vllm" or cfg.rollout.static_cache)
+    return torch.bfloat16 if bf16_sampler else compute_dtype
+
+
 def alignment_tolerance(cfg: Config, dtype: torch.dtype) -> tuple[float, float]:
     """(max, mean) |recomputed - sampling-time log-prob| allowed at compute ``dtype``."""
     R = cfg.runtime
@@ -90,9 +97,11 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
     out.update(check_alignment(teacher_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
                                batch.teacher_prompt_mask_B_Sp))
     tol_max, tol_mean = alignment_tolerance(cfg, dtype)
-    paths = {"recompute": (student_geometry(batch), "the student's recomputed")}
+    paths = {"recompute": (student_geometry(batch), "the student's log-probs of the sampled tokens, recomputed as "
+                                                    "the loss computes them,")}
     if cfg.teacher.source == "model":
-        paths["teacher_path"] = (teacher_geometry(batch), "the teacher's input, scored by the student,")
+        paths["teacher_path"] = (teacher_geometry(batch), "the log-probs of the sampled tokens on the teacher's input "
+                                                          "(scored by the student through the teacher's path)")
     m_B_T = ro.completion_mask_B_T.bool()
     _, head = unwrap(student)
     for key, (g, what) in paths.items():
@@ -104,8 +113,7 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
         out[f"{key}_max_abs_dlogp"], out[f"{key}_mean_abs_dlogp"] = d_max, d_mean
         if not (d_max <= tol_max and d_mean <= tol_mean):  # NaN fails too
             raise AlignmentError(
-                f"alignment check failed on the first batch: {what} log-probs of the sampled tokens differ from the "
-                f"sampling-time ones by up to {d_max:.3g} (mean {d_mean:.3g}); allowed at {str(dtype).replace('torch.', '')} "
+                f"alignment check failed on the first batch: {what} differ from the sampling-time ones by up to {d_max:.3g} (mean {d_mean:.3g}); allowed at {str(dtype).replace('torch.', '')} "
                 f"compute: {tol_max:g} (mean {tol_mean:g}), params runtime.alignment_tol_fp32/_bf16. The scorer does "
                 "not see the tokens where the sampler did: prompt padding or positions, a shifted completion, or a "
                 "sampling setting (e.g. a repetition penalty) the recompute does not apply. "

@@ -159,7 +159,7 @@ def k3_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens):
     E_{p_S}[(1 - r) ∇log p_S] = -sum_v p_T ∇log p_S. (Its value estimates the reverse KL,
     E_{p_S}[k3] = KL(p_S || p_T), but its gradient does not; and -k3 as a stop-gradient reward
     in a policy gradient has expected gradient ∇KL(p_S || p_T) - ∇KL(p_T || p_S), no divergence:
-    Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL".)
+    Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv 2506.09477.)
     Importance weight and shapes as in ``k2_loss``. Metrics: ``kl`` (k1 estimate), ``k3`` (mean
     k3, an estimate of KL(p_S || p_T)), ``ratio_max``, ``tokens``.
     """

@@ -382,7 +382,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             align = None
             if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
                 with run.autocast():  # recomputed as the loss recomputes them; AlignmentError stops the run
-                    align = opd.alignment_report(cfg, batch, run.student, run.dtype)
+                    align = opd.alignment_report(cfg, batch, run.student,
+                                                 opd.check_precision(cfg, run.dtype, run.device))
             if align:
                 log(f"alignment check passed on the first batch: {align}")
 
