@@ -228,7 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params(p)
     p.set_defaults(fn=cmd_eval)
 
-    p = sub.add_parser("train", help="one OPD run (or the rest of one: resumes from DIR's trainer state)")
+    from opdkit.loss_table import help_text  # torch-free
+
+    p = sub.add_parser("train", help="one OPD run (or the rest of one: resumes from DIR's trainer state)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="losses (-S loss.name=NAME):\n" + help_text())
     p.add_argument("--out", required=True)
     p.add_argument("--check", action="store_true",
                    help="only validate the inputs and OUT (exit 0, 2 or 75); writes nothing")

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from opdkit.loss_table import LOSS_NAMES
+
 
 class ConfigError(ValueError):
     """A params file or override that does not fit the schema (the message names the key)."""
@@ -37,8 +39,8 @@ class TeacherConfig:
     # student itself, given the reference solution in its prompt (fixed initial copy, EMA, live).
     source: str = "model"
     ema_decay: float = 0.99  # privileged_ema: teacher <- decay*teacher + (1-decay)*student per step
-    # What the teacher returns follows from loss.name: sampled-token log-probs (k1, k3, sft),
-    # top-k (topk_fkl, K = loss.topk) or the full vocabulary (fkl, rkl, jsd; chunked).
+    # What the teacher returns follows from loss.name (opdkit.loss_table): sampled-token log-probs
+    # (k1, k2, k3, sft), top-k (topk_fkl, K = loss.topk) or the full vocabulary (fkl, rkl, jsd; chunked).
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    name: str = "rkl"  # k1 | k3 | topk_fkl | fkl | rkl | jsd | sft
-    clip_eps: float = 0.2  # PPO ratio clip for k1/k3
+    name: str = "rkl"  # k1 | k2 | k3 | topk_fkl | fkl | rkl | jsd | sft (opdkit.loss_table)
+    clip_eps: float = 0.2  # PPO ratio clip for k1
+    dual_clip: float = 3.0  # k1: PPO dual clip c for negative advantages (loss <= -c A, as verl); 0 = off
     topk: int = 16  # for topk_fkl
     tail_bucket: bool = True  # topk_fkl: lump the teacher's remaining mass into one bucket
     jsd_beta: float = 0.5  # 0 = forward KL, 1 = reverse KL
@@ -142,7 +145,11 @@ class RuntimeConfig:
     # no mask (flash kernels) instead of a masked kernel over the padded S x S square. For long
     # sequences on GPU; many short rows (the embedded default on CPU) are faster batched.
     unpadded_rows: bool = False
-    alignment_check: bool = True  # check teacher/student alignment on the first batch
+    alignment_check: bool = True  # check teacher/student alignment on the first batch (stops the run if it fails)
+    # allowed (max, mean) |recomputed - sampling-time log-prob| of the sampled tokens in that check,
+    # by compute dtype: fp32 recomputes agree to ~1e-6; bf16 kernels (and vLLM) differ by up to ~1 on rare tokens
+    alignment_tol_fp32: tuple[float, float] = (1.0e-3, 1.0e-4)
+    alignment_tol_bf16: tuple[float, float] = (2.0, 0.05)
     teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
 
 
@@ -236,7 +243,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "teacher.source": ("model", "privileged_fixed", "privileged_ema", "privileged_live"),
     "data.prompt_format": ("boxed", "answer_line", "raw"),
     "rollout.engine": ("hf", "vllm"),
-    "loss.name": ("k1", "k3", "topk_fkl", "fkl", "rkl", "jsd", "sft"),
+    "loss.name": LOSS_NAMES,
     "loss.clip": ("none", "entry", "token"),
     "loss.sft_source": SFT_SOURCES,
     "optim.schedule": ("constant", "linear", "cosine", "wallclock_cosine"),

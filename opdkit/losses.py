@@ -1,11 +1,16 @@
 """Distillation losses: pure tensor functions, each returning ``(loss, metrics)``.
 
-Sampled-token losses (log-probs of the sampled completion tokens, ``*_B_T``; OPD as RL with a
-per-token teacher reward, PPO-clipped against the sampling-time log-probs):
+Sampled-token losses (log-probs of the sampled completion tokens, ``*_B_T``); each one's expected
+gradient over the student's samples is the gradient of the divergence its docstring names:
 
-- ``k1_loss``: advantage A = log p_T - log p_S (tinker-cookbook's "reverse KL as reward").
-- ``k3_loss``: advantage A = -(r - 1 - log r), r = p_T / p_S (the k3 KL estimator, always <= 0).
+- ``k1_loss``: PPO policy gradient, advantage A = log p_T - log p_S (tinker-cookbook's "reverse KL
+  as reward"); expected gradient ∇KL(p_S || p_T).
+- ``k2_loss``: 1/2 (log p_S - log p_T)^2 differentiated directly; expected gradient ∇KL(p_S || p_T).
+- ``k3_loss``: r - 1 - log r, r = p_T / p_S, differentiated directly; expected gradient
+  ∇KL(p_T || p_S) (forward KL).
 - ``sft_loss``: negative log-likelihood of the given tokens (the SFT control).
+
+(defined in ``opdkit.token_losses``, re-exported here).
 
 Full-distribution losses (student logits and teacher log-probs over the vocabulary, ``*_B_T_V``):
 
@@ -25,10 +30,10 @@ capped at tau, gradient direction kept).
 
 Metrics are detached python floats. Means are over this call's masked-in tokens (not divided by
 ``n_tokens``); ``tokens`` is that count, to weight means when combining micro-batches. ``kl`` is
-always the unclipped reverse KL(student || teacher) per token (sampled k1 estimate for k1/k3).
+always the unclipped reverse KL(student || teacher) per token (sampled k1 estimate for k1/k2/k3).
 Teacher inputs are constants (detached). Padding positions of the detached inputs are replaced by
 the student's own values, so garbage (inf/nan) there cannot reach the loss or its gradient.
-Computation is in fp32.
+Computation is in fp32 (fp64 inputs stay fp64).
 """
 
 from __future__ import annotations
@@ -37,20 +42,14 @@ import math
 
 import torch
 
+from opdkit.token_losses import (_check_n_tokens, _floats, _mean, k1_loss, k2_loss, k3_loss,  # noqa: F401
+                                 masked_sum, sft_loss)
+
 Tensor = torch.Tensor
 CLIPS = ("none", "entry", "token")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def masked_sum(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
-    """Sum of ``x_B_T`` over positions where ``mask_B_T`` is nonzero (0-dim tensor, keeps grad).
-
-    Padding values are selected away (not multiplied by 0), so inf/nan there do not leak.
-    """
-    assert x_B_T.shape == mask_B_T.shape, f"x {tuple(x_B_T.shape)} vs mask {tuple(mask_B_T.shape)}"
-    return torch.where(mask_B_T != 0, x_B_T, torch.zeros_like(x_B_T)).sum()
 
 
 def entry_clip_terms(terms_B_T_V: Tensor, tau: float) -> tuple[Tensor, Tensor]:
@@ -115,107 +114,10 @@ def _check_logits(student_logits_B_T_V: Tensor) -> tuple[int, int, int]:
     assert len(shape) == 3, f"student_logits_B_T_V must be B x T x V, got {shape}"
     return shape
 
-
-def _check_n_tokens(n_tokens: float) -> float:
-    n = float(n_tokens)
-    assert n > 0, f"n_tokens must be > 0 (masked-in completion tokens of the whole step), got {n_tokens}"
-    return n
-
-
-def _floats(metrics: dict[str, Tensor]) -> dict[str, float]:
-    """0-dim tensors -> python floats with one device sync."""
-    values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).tolist()
-    return dict(zip(metrics.keys(), values))
-
-
-def _mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
-    return masked_sum(x_B_T.detach(), mask_B_T) / mask_B_T.sum().clamp_min(1)
-
-
 def _topk_overlap_B_T(teacher_ids_B_T_k: Tensor, student_ids_B_T_k: Tensor) -> Tensor:
     """|teacher ids ∩ student ids| / k at every position (ids distinct within a position)."""
     same_B_T_k_k = teacher_ids_B_T_k[..., :, None] == student_ids_B_T_k[..., None, :]
     return same_B_T_k_k.any(-1).float().sum(-1) / teacher_ids_B_T_k.shape[-1]
-
-
-# ----------------------------------------------------------------------------- sampled-token losses
-
-
-def _sampled_inputs(logp_B_T, other_B_T, mask_B_T, n_tokens):
-    """Shape checks, fp32, detach the ``other`` inputs and set their padding to the student's logp."""
-    assert logp_B_T.dim() == 2, f"logp_B_T must be B x T, got {tuple(logp_B_T.shape)}"
-    for name, x in other_B_T.items():
-        assert x.shape == logp_B_T.shape, f"{name} {tuple(x.shape)} vs logp_B_T {tuple(logp_B_T.shape)}"
-    assert mask_B_T.shape == logp_B_T.shape, f"mask_B_T {tuple(mask_B_T.shape)} vs {tuple(logp_B_T.shape)}"
-    mask_B_T = mask_B_T != 0
-    logp_B_T = logp_B_T.float()
-    s_B_T = logp_B_T.detach()
-    others = [torch.where(mask_B_T, x.detach().float(), s_B_T) for x in other_B_T.values()]
-    return logp_B_T, s_B_T, others, mask_B_T, _check_n_tokens(n_tokens)
-
-
-def _ppo_surrogate(logp_B_T, old_logp_B_T, adv_B_T, mask_B_T, n_tokens, clip_eps):
-    """-min(ratio A, clip(ratio, 1-eps, 1+eps) A), ratio = exp(logp - old_logp); token-mean over the step."""
-    assert clip_eps >= 0, f"clip_eps must be >= 0 (loss.clip_eps), got {clip_eps}"
-    ratio_B_T = torch.exp(logp_B_T - old_logp_B_T)
-    unclipped_B_T = ratio_B_T * adv_B_T
-    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_eps, 1.0 + clip_eps) * adv_B_T
-    loss = masked_sum(-torch.minimum(unclipped_B_T, clipped_B_T), mask_B_T) / n_tokens
-    with torch.no_grad():
-        ratio_masked_B_T = torch.where(mask_B_T, ratio_B_T, torch.ones_like(ratio_B_T))
-        metrics = {
-            "advantage_mean": _mean(adv_B_T, mask_B_T),
-            # clipped branch strictly smaller: that token gets no gradient
-            "ratio_clipped_frac": _mean((clipped_B_T < unclipped_B_T).float(), mask_B_T),
-            "ratio_max": ratio_masked_B_T.max() if ratio_masked_B_T.numel() else torch.ones(()),
-            "tokens": mask_B_T.sum().float(),
-        }
-    return loss, metrics
-
-
-def k1_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens, clip_eps):
-    """PPO-clipped policy gradient with per-token advantage A = teacher_logp - logp.detach().
-
-    Shapes: all ``B_T``. ``logp_B_T``: student log-probs of the sampled tokens (with grad);
-    ``old_logp_B_T``: sampling-time log-probs (no grad); ``teacher_logp_B_T``: teacher log-probs
-    of the same tokens. Metrics: ``kl`` (mean logp - teacher_logp, sampled reverse KL),
-    ``advantage_mean``, ``ratio_clipped_frac``, ``ratio_max`` (1.0 if no token), ``tokens``.
-    """
-    logp_B_T, s_B_T, (old_B_T, t_B_T), mask_B_T, n = _sampled_inputs(
-        logp_B_T, {"old_logp_B_T": old_logp_B_T, "teacher_logp_B_T": teacher_logp_B_T}, mask_B_T, n_tokens
-    )
-    adv_B_T = t_B_T - s_B_T
-    loss, metrics = _ppo_surrogate(logp_B_T, old_B_T, adv_B_T, mask_B_T, n, clip_eps)
-    metrics["kl"] = _mean(s_B_T - t_B_T, mask_B_T)
-    return loss, _floats(metrics)
-
-
-def k3_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens, clip_eps):
-    """As ``k1_loss`` with advantage A = -(exp(t - s) - 1 - (t - s)) <= 0, t = teacher, s = logp.detach().
-
-    Metrics: ``kl`` (k1 estimate, mean s - t), ``k3`` (mean k3 estimate of KL(student || teacher)),
-    ``advantage_mean``, ``ratio_clipped_frac``, ``ratio_max``, ``tokens``.
-    """
-    logp_B_T, s_B_T, (old_B_T, t_B_T), mask_B_T, n = _sampled_inputs(
-        logp_B_T, {"old_logp_B_T": old_logp_B_T, "teacher_logp_B_T": teacher_logp_B_T}, mask_B_T, n_tokens
-    )
-    log_r_B_T = t_B_T - s_B_T
-    k3_B_T = torch.expm1(log_r_B_T) - log_r_B_T
-    loss, metrics = _ppo_surrogate(logp_B_T, old_B_T, -k3_B_T, mask_B_T, n, clip_eps)
-    metrics["kl"] = _mean(-log_r_B_T, mask_B_T)
-    metrics["k3"] = _mean(k3_B_T, mask_B_T)
-    return loss, _floats(metrics)
-
-
-def sft_loss(logp_B_T, mask_B_T, n_tokens):
-    """Negative log-likelihood of the given tokens; ``logp_B_T`` (B_T, with grad).
-
-    Metrics: ``nll`` (mean over masked tokens), ``tokens``.
-    """
-    logp_B_T, _, _, mask_B_T, n = _sampled_inputs(logp_B_T, {}, mask_B_T, n_tokens)
-    loss = masked_sum(-logp_B_T, mask_B_T) / n
-    return loss, _floats({"nll": _mean(-logp_B_T, mask_B_T), "tokens": mask_B_T.sum().float()})
-
 
 # ----------------------------------------------------------------------------- full-distribution losses
 
@@ -279,10 +181,10 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
     return loss, metrics
 
 
-
-
 def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
     """Forward KL(p_T || p_S) = sum_v p_T (log p_T - log p_S) per position, token-mean over the step.
+
+    Exact over the vocabulary: its gradient is ∇KL(p_T || p_S) (unclipped).
 
     ``clip="entry"``: each summand -> min(p_T log(p_T / p_S), tau); ``clip="token"``: the position's
     KL times min(1, tau / KL).detach(). ``student_logits_B_T_V`` raw logits (with grad),
@@ -299,6 +201,8 @@ def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
 def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
     """Reverse KL(p_S || p_T) = sum_v p_S (log p_S - log p_T) per position, token-mean over the step.
 
+    Exact over the vocabulary: its gradient is ∇KL(p_S || p_T) (unclipped).
+
     ``clip="entry"``: each summand -> min(p_S log(p_S / p_T), tau) (summands can be negative; only
     the top is capped; ``clipped_mass`` still reports the teacher mass of clipped entries);
     ``clip="token"``: as in ``fkl_loss``. Shapes and metrics as in ``fkl_loss``.
@@ -313,6 +217,8 @@ def jsd_loss(
     student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, beta, clip="none", tau=math.inf, *, k=8
 ):
     """Generalized JSD (GKD, TRL ``generalized_jsd_loss``) per position, token-mean over the step.
+
+    Exact over the vocabulary: its gradient is ∇JSD_beta(p_T, p_S) (unclipped).
 
     beta=0: exactly KL(p_T || p_S); beta=1: exactly KL(p_S || p_T); otherwise, with
     m = beta p_T + (1 - beta) p_S (in log space), beta KL(p_T || m) + (1 - beta) KL(p_S || m); the
@@ -333,6 +239,9 @@ def topk_fkl_loss(
     student_logits_B_T_V, topk_ids_B_T_K, topk_logp_B_T_K, mask_B_T, n_tokens, tail_bucket=True, *, k=8
 ):
     """Forward KL over the teacher's top-K ids, token-mean over the step.
+
+    Its gradient is that of KL(q_T || q_S) between the (K+1)-bucket (or renormalised K-way)
+    versions q of both distributions: ∇KL(p_T || p_S) when the top-K holds all teacher mass.
 
     ``topk_ids_B_T_K``: the teacher's K (distinct) top token ids per position; ``topk_logp_B_T_K``:
     the teacher's normalised (full-vocabulary) log-probs of those ids. ``tail_bucket=True``: a

@@ -12,18 +12,15 @@ end. Only one chunk of (B, C, V) logits exists at a time, for any loss.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
 
-from opdkit import losses
+from opdkit import loss_table, losses
 from opdkit.config import Config
 from opdkit.rollout import Rollout, left_pad, sample_seed
-from opdkit.teacher import Geometry, build_geometry, check_alignment, completion_hidden, token_logprobs, unwrap
-
-SAMPLED_LOSSES = ("k1", "k3", "sft")
-FULL_LOSSES = ("fkl", "rkl", "jsd")
+from opdkit.teacher import (AlignmentError, Geometry, build_geometry, check_alignment, completion_hidden,
+                            token_logprobs, topk_logprobs, unwrap)
 
 
 @dataclass
@@ -66,19 +63,61 @@ def student_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
                           ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
 
 
-def alignment_report(batch: Batch, student, chunk: int, unpadded: bool = False) -> dict:
-    """The alignment self-check on a batch, plus how far recomputed student log-probs are from
-    the sampling-time ones (they should agree to float tolerance on the first step)."""
+def check_precision(cfg: Config, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The lower precision of the scorer (``compute_dtype``) and the sampler: on CUDA the static
+    decoder (``rollout.static_cache``) and vLLM sample with bf16 weights whatever the compute dtype."""
+    bf16_sampler = device.type == "cuda" and (cfg.rollout.engine == "vllm" or cfg.rollout.static_cache)
+    return torch.bfloat16 if bf16_sampler else compute_dtype
+
+
+def alignment_tolerance(cfg: Config, dtype: torch.dtype) -> tuple[float, float]:
+    """(max, mean) |recomputed - sampling-time log-prob| allowed at compute ``dtype``."""
+    R = cfg.runtime
+    return R.alignment_tol_bf16 if dtype in (torch.bfloat16, torch.float16) else R.alignment_tol_fp32
+
+
+def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> dict:
+    """The alignment self-check on a step's batch; raises ``AlignmentError`` when it fails.
+
+    1. Layout (``check_alignment``) of the student's and the teacher's scored sequences: the
+       scored columns hold the sampled tokens, no pad between prompt and completion, positions
+       continuing the prompt's.
+    2. The student's log-probs of the sampled tokens recomputed as the loss computes them must
+       equal the sampling-time ones (``Rollout.sampling_logp_B_T``) within
+       ``alignment_tolerance`` (max and mean over tokens): a sampler that saw other positions,
+       other context or other logits (a penalty, a processor the recompute does not apply) fails.
+    3. With ``teacher.source=model`` the teacher's input is scored by the sampling policy
+       through the teacher's path and must match the same way: a teacher that sees the
+       completion shifted, or another prompt, fails.
+    Returns the counts and ``recompute_max_abs_dlogp`` / ``recompute_mean_abs_dlogp`` (and
+    ``teacher_path_*``). Call it under the step's autocast, on a batch sampled by ``student``.
+    """
     ro = batch.rollout
     out = check_alignment(student_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T, ro.prompt_mask_B_Sp)
     out.update(check_alignment(teacher_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
                                batch.teacher_prompt_mask_B_Sp))
-    with torch.no_grad():
-        _, head = unwrap(student)
-        logp_B_T = token_logprobs(head, completion_hidden(student, student_geometry(batch), unpadded), ro.completion_ids_B_T,
-                                   chunk)
-    m = ro.completion_mask_B_T.bool()
-    out["recompute_max_abs_dlogp"] = float((logp_B_T - ro.sampling_logp_B_T).abs()[m].max()) if m.any() else 0.0
+    tol_max, tol_mean = alignment_tolerance(cfg, dtype)
+    paths = {"recompute": (student_geometry(batch), "the student's log-probs of the sampled tokens, recomputed as "
+                                                    "the loss computes them,")}
+    if cfg.teacher.source == "model":
+        paths["teacher_path"] = (teacher_geometry(batch), "the log-probs of the sampled tokens on the teacher's input "
+                                                          "(scored by the student through the teacher's path)")
+    m_B_T = ro.completion_mask_B_T.bool()
+    _, head = unwrap(student)
+    for key, (g, what) in paths.items():
+        with torch.no_grad():
+            h_B_T_H = completion_hidden(student, g, cfg.runtime.unpadded_rows)
+            logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, cfg.runtime.logprob_chunk)
+        d_N = (logp_B_T - ro.sampling_logp_B_T)[m_B_T].abs()  # N masked-in tokens
+        d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
+        out[f"{key}_max_abs_dlogp"], out[f"{key}_mean_abs_dlogp"] = d_max, d_mean
+        if not (d_max <= tol_max and d_mean <= tol_mean):  # NaN fails too
+            raise AlignmentError(
+                f"alignment check failed on the first batch: {what} differ from the sampling-time ones by up to {d_max:.3g} (mean {d_mean:.3g}); allowed at {str(dtype).replace('torch.', '')} "
+                f"compute: {tol_max:g} (mean {tol_mean:g}), params runtime.alignment_tol_fp32/_bf16. The scorer does "
+                "not see the tokens where the sampler did: prompt padding or positions, a shifted completion, or a "
+                "sampling setting (e.g. a repetition penalty) the recompute does not apply. "
+                "runtime.alignment_check=false skips this check")
     return out
 
 
@@ -96,43 +135,44 @@ def _combine(parts: list[dict]) -> dict:
 
 
 def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, ro: Rollout, rows: slice, n_tokens: float):
-    """Loss and metrics of positions ``sl`` of micro-batch ``rows``."""
+    """Loss and metrics of positions ``sl`` of micro-batch ``rows``: the loss's declared inputs
+    (``opdkit.loss_table``) made for this chunk, then its function."""
     L = cfg.loss
+    spec = loss_table.spec(L.name)
     ids_B_C = ro.completion_ids_B_T[rows, sl]
-    mask_B_C = ro.completion_mask_B_T[rows, sl]
     logits_B_C_V = s_head(h_s_B_C_H).float()
-    if L.name in SAMPLED_LOSSES:
-        logp_B_C = logits_B_C_V.log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0]
-        if L.name == "sft":
-            loss, m = losses.sft_loss(logp_B_C, mask_B_C, n_tokens)
-            t_B_C = t_ctx["logp_B_T"][:, sl] if t_ctx else None
-            if t_B_C is not None and L.sft_source == "teacher":  # forward KL estimate on teacher samples
-                m["kl"] = float(((t_B_C - logp_B_C.detach()) * mask_B_C).sum() / mask_B_C.sum().clamp_min(1))
-            return loss, m
-        fn = losses.k1_loss if L.name == "k1" else losses.k3_loss
-        return fn(logp_B_C, ro.sampling_logp_B_T[rows, sl], t_ctx["logp_B_T"][:, sl], mask_B_C, n_tokens, L.clip_eps)
-    if L.name == "topk_fkl":
-        loss, m = losses.topk_fkl_loss(logits_B_C_V, t_ctx["topk_ids_B_T_K"][:, sl], t_ctx["topk_logp_B_T_K"][:, sl],
-                                       mask_B_C, n_tokens, L.tail_bucket)
-        # top-K gives no exact reverse KL: report the sampled (k1) estimate on the student's tokens
-        logp_B_C = logits_B_C_V.detach().log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0]
-        m["kl"] = float(((logp_B_C - t_ctx["logp_B_T"][:, sl]) * mask_B_C).sum() / mask_B_C.sum().clamp_min(1))
-        return loss, m
-    with torch.no_grad():
-        t_logp_B_C_V = t_ctx["head"](t_ctx["hidden_B_T_H"][:, sl]).float().log_softmax(-1)
-    tau = L.clip_tau if L.clip != "none" else math.inf
-    if L.name == "fkl":
-        return losses.fkl_loss(logits_B_C_V, t_logp_B_C_V, mask_B_C, n_tokens, L.clip, tau)
-    if L.name == "rkl":
-        return losses.rkl_loss(logits_B_C_V, t_logp_B_C_V, mask_B_C, n_tokens, L.clip, tau)
-    return losses.jsd_loss(logits_B_C_V, t_logp_B_C_V, mask_B_C, n_tokens, L.jsd_beta, L.clip, tau)
+
+    def teacher_full_B_C_V():
+        with torch.no_grad():
+            return t_ctx["head"](t_ctx["hidden_B_T_H"][:, sl]).float().log_softmax(-1)
+
+    make = {
+        "logp_B_T": lambda: logits_B_C_V.log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0],
+        "old_logp_B_T": lambda: ro.sampling_logp_B_T[rows, sl],
+        "teacher_logp_B_T": lambda: t_ctx["logp_B_T"][:, sl],
+        "logits_B_T_V": lambda: logits_B_C_V,
+        "teacher_logp_B_T_V": teacher_full_B_C_V,
+        "topk_ids_B_T_K": lambda: t_ctx["topk_ids_B_T_K"][:, sl],
+        "topk_logp_B_T_K": lambda: t_ctx["topk_logp_B_T_K"][:, sl],
+        "mask_B_T": lambda: ro.completion_mask_B_T[rows, sl],
+        "n_tokens": lambda: n_tokens,
+    }
+    loss, m = getattr(losses, spec.fn)(*(make[name]() for name in spec.inputs), **spec.params(L))
+    if "kl" not in m and t_ctx is not None:  # top-K / sft: the sampled estimate on the scored tokens
+        mask_B_C = ro.completion_mask_B_T[rows, sl]
+        s_B_C = logits_B_C_V.detach().log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0]
+        d_B_C = s_B_C - t_ctx["logp_B_T"][:, sl]  # student samples: reverse KL; teacher samples: minus forward KL
+        sign = 1.0 if loss_table.samples_from(L) == "student" else -1.0
+        m["kl"] = float(sign * (d_B_C * mask_B_C).sum() / mask_B_C.sum().clamp_min(1))
+    return loss, m
 
 
 @torch.no_grad()
 def teacher_context(cfg: Config, teacher, batch: Batch, rows: slice, teacher_ctx_manager=contextlib.nullcontext) -> dict | None:
-    """What the loss needs from the teacher for micro-batch ``rows`` (None if nothing)."""
-    L = cfg.loss
-    if L.name == "sft" and L.sft_source == "reference":
+    """What the loss needs from the teacher for micro-batch ``rows`` (``loss_table.teacher_need``;
+    None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full)."""
+    need = loss_table.teacher_need(cfg.loss)
+    if need == "none":
         return None
     ro = batch.rollout
     with teacher_ctx_manager():
@@ -140,11 +180,10 @@ def teacher_context(cfg: Config, teacher, batch: Batch, rows: slice, teacher_ctx
         h_B_T_H = completion_hidden(teacher, teacher_geometry(batch, rows), cfg.runtime.unpadded_rows)
         ids_B_T = ro.completion_ids_B_T[rows]
         ctx = {"logp_B_T": token_logprobs(head, h_B_T_H, ids_B_T, cfg.runtime.logprob_chunk), "head": head}
-        if L.name == "topk_fkl":
-            from opdkit.teacher import topk_logprobs
-
-            ctx["topk_ids_B_T_K"], ctx["topk_logp_B_T_K"] = topk_logprobs(head, h_B_T_H, L.topk, cfg.runtime.logprob_chunk)
-        elif L.name in FULL_LOSSES:
+        if need == "topk":
+            ctx["topk_ids_B_T_K"], ctx["topk_logp_B_T_K"] = topk_logprobs(head, h_B_T_H, cfg.loss.topk,
+                                                                          cfg.runtime.logprob_chunk)
+        elif need == "full":
             ctx["hidden_B_T_H"] = h_B_T_H
     return ctx
 

@@ -3,7 +3,9 @@
 - ``constant``: lr throughout.
 - ``linear``: lr at step 0 down to min_lr at step >= total_steps.
 - ``cosine``: half-cosine from lr at step 0 to min_lr at step >= total_steps.
-- ``wallclock_cosine``: the same half-cosine over the elapsed share of the wall budget.
+- ``wallclock_cosine``: the same half-cosine over wall time, from the run's first step to when
+  the training loop stops (``wallclock_clock``, ``wallclock_horizon_s``: the budget less the
+  reserve and one step), so the last step runs at min_lr up to one step's worth.
 
 ``lr_at`` dispatches by name and multiplies by the linear warmup factor
 ``min(1, (step + 1) / warmup_steps)``; the decay runs from step 0 (it does not wait for warmup).
@@ -49,6 +51,34 @@ def cosine(step: int, total_steps: int, lr: float, min_lr: float) -> float:
     """Half-cosine from ``lr`` at step 0 to ``min_lr`` at step >= total_steps."""
     assert total_steps > 0, f"total_steps must be > 0, got {total_steps}"
     return _cosine_at(step / total_steps, lr, min_lr)
+
+
+def wallclock_horizon_s(max_wall_time_s: float, deadline_reserve_s: float, step_s: float) -> float:
+    """Elapsed seconds at which the wall-clock cosine should reach min_lr: when the loop stops.
+
+    The loop (``opdkit.train``) starts no step that would end within ``deadline_reserve_s`` of
+    ``max_wall_time_s``, with ``step_s`` (the last step's duration) as the estimate of the next:
+    so no step starts after ``max - reserve - step_s``. ``elapsed`` and this horizon both count
+    start-up (loading models and data), as the wall budget does. 0 without a wall budget; a
+    horizon already passed is clamped to 1e-9 s (min_lr).
+    """
+    if max_wall_time_s <= 0:
+        return 0.0
+    return max(max_wall_time_s - deadline_reserve_s - step_s, 1e-9)
+
+
+def wallclock_clock(elapsed_s: float, start_s: float, max_wall_time_s: float, deadline_reserve_s: float,
+                    step_s: float) -> tuple[float, float]:
+    """(seconds into the wall-clock schedule, its length) for ``wallclock_cosine``.
+
+    The schedule starts at ``start_s``, the elapsed time of the run's first step (start-up, which
+    the wall budget counts, is not training), and ends at ``wallclock_horizon_s``. (0, 0)
+    without a wall budget.
+    """
+    if max_wall_time_s <= 0:
+        return 0.0, 0.0
+    end_s = wallclock_horizon_s(max_wall_time_s, deadline_reserve_s, step_s)
+    return max(elapsed_s - start_s, 0.0), max(end_s - start_s, 1e-9)
 
 
 def wallclock_cosine(elapsed_s: float, budget_s: float, lr: float, min_lr: float) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from opdkit import paths
+from opdkit import loss_table, paths
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt, fingerprint, load_examples
 from opdkit.models import (check_model_dir, check_same_vocab, compute_dtype, load_model, load_tokenizer,
@@ -51,7 +51,7 @@ def check_params(cfg: Config) -> None:
         raise RunError("rollout.prompts_per_step and rollout.samples_per_prompt must be positive")
     if cfg.publish.keep < 1:
         raise RunError("publish.keep must be at least 1")
-    if cfg.teacher.source != "model" and cfg.loss.name == "sft":
+    if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
         raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
 
 
@@ -61,7 +61,7 @@ def prepare_inputs(cfg: Config) -> Inputs:
     student = check_model_dir(paths.student_path(cfg), "student model")
     teacher = check_model_dir(paths.teacher_path(cfg), "teacher model") if cfg.teacher.source == "model" else None
     train = paths.train_data_path(cfg)
-    need_solution = cfg.teacher.source != "model" or (cfg.loss.name == "sft" and cfg.loss.sft_source == "reference")
+    need_solution = cfg.teacher.source != "model" or loss_table.samples_from(cfg.loss) == "reference"
     examples = load_examples(train, cfg.data, require_solution=need_solution)
     return Inputs(student, teacher, train, examples, fingerprint(examples))
 
@@ -139,9 +139,8 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     elif src in ("privileged_fixed", "privileged_ema"):
         teacher = copy.deepcopy(student).eval().requires_grad_(False)
         ema = teacher if src == "privileged_ema" else None
-    else:  # privileged_live: the student itself under no_grad (adapter disabled with LoRA)
+    else:  # privileged_live: the current student itself (adapters on with LoRA), under no_grad
         teacher = student
-        ctx = student.disable_adapter if cfg.lora.enabled else contextlib.nullcontext
 
     opt = make_optimizer(cfg, student, device)
     n_train = sum(p.numel() for p in student.parameters() if p.requires_grad)

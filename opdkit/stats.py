@@ -16,9 +16,10 @@ which counts both between-question spread and the within-question sampling noise
 ``sqrt(p(1-p)/N)`` over all ``N`` samples understates the SE whenever questions differ in
 difficulty.
 
-p-values use scipy's Student t distribution when scipy is importable, else the normal
-approximation ``erfc(|t| / sqrt(2))`` (slightly too small for few runs); results say which
-(``p_method``: ``"t"`` or ``"normal"``).
+p-values are two-sided, from scipy's Student t distribution (Welch-Satterthwaite degrees of
+freedom for unpaired arms, P - 1 for paired questions): the same numbers as
+``scipy.stats.ttest_ind(equal_var=False)`` and ``scipy.stats.ttest_rel``. Results carry
+``p_method: "t"``.
 """
 
 from __future__ import annotations
@@ -27,18 +28,16 @@ import math
 from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
+from scipy.stats import t as student_t
 
 CorrectTable = Sequence[Sequence[float]] | Mapping[Hashable, Sequence[float]]
 
 
 def _two_sided_p(t: float, df: float) -> tuple[float, str]:
-    """Two-sided p-value of statistic ``t`` with ``df`` degrees of freedom, and the method."""
-    if not math.isfinite(t) or not df > 0:
+    """Two-sided p-value of statistic ``t`` with ``df`` degrees of freedom (Student t), and the
+    method (``"t"``; ``"none"`` with a NaN p when t or df is undefined; t = +-inf gives 0)."""
+    if math.isnan(t) or not df > 0:
         return float("nan"), "none"
-    try:
-        from scipy.stats import t as student_t  # optional dependency
-    except ImportError:
-        return math.erfc(abs(t) / math.sqrt(2.0)), "normal"
     return float(2.0 * student_t.sf(abs(t), df)), "t"
 
 
@@ -119,8 +118,9 @@ def compare_arms(arm: Sequence[float], baseline: Sequence[float]) -> dict:
     ``arm``: R_a floats, ``baseline``: R_b floats, R_a, R_b >= 2. Returns ``diff`` =
     mean(arm) - mean(baseline); ``se`` = sqrt(se_a^2 + se_b^2) with se = sd(ddof=1)/sqrt(R)
     (Welch); ``diff_in_se`` = diff / se; ``df`` = Welch-Satterthwaite degrees of freedom
-    ``se^4 / (se_a^4/(R_a-1) + se_b^4/(R_b-1))``; ``p_value`` two-sided Welch t-test (normal
-    approximation without scipy, see ``p_method``); and both arms' ``repeat_stats``.
+    ``se^4 / (se_a^4/(R_a-1) + se_b^4/(R_b-1))``; ``p_value`` two-sided Welch t-test (as
+    ``scipy.stats.ttest_ind(arm, baseline, equal_var=False)``), ``p_method``; and both arms'
+    ``repeat_stats``.
     When both arms have zero spread, ``se`` = 0 and ``df``/``p_value`` are NaN.
     """
     a, b = repeat_stats(arm), repeat_stats(baseline)
@@ -143,7 +143,7 @@ def paired_question_diff(correct_a: CorrectTable, correct_b: CorrectTable) -> di
     ``correct_a``, ``correct_b``: tables as in ``clustered_accuracy`` over the same questions
     (lists: same order and length; dicts: same keys); sample counts may differ. With
     d_p = s_p^a - s_p^b: ``diff`` = mean(d_P) (= accuracy_a - accuracy_b), ``se`` =
-    sd(d_P, ddof=1) / sqrt(P), ``diff_in_se``, ``p_value`` (paired t-test, df = P - 1),
+    sd(d_P, ddof=1) / sqrt(P), ``diff_in_se``, ``p_value`` (paired t-test, df = P - 1, as ``scipy.stats.ttest_rel(s_a, s_b)``),
     ``p_method``, ``n_questions``, and ``se_unpaired`` = sqrt(SE_a^2 + SE_b^2) for reference:
     pairing removes the shared question difficulty, so usually se < se_unpaired.
     """

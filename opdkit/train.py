@@ -42,13 +42,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, opd
+from opdkit import distributed, loss_table, opd
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text, retry_io
 from opdkit.publish import Publisher
 from opdkit.rollout import make_engine
-from opdkit.schedules import lr_at
+from opdkit.schedules import lr_at, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
 
 STATE_FILE = "state/trainer_state.pt"
@@ -92,7 +92,7 @@ def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, l
     if not distributed.current().is_main:
         return
     state = {
-        "step": step, "elapsed_s": elapsed, "data_pos": data_pos,
+        "step": step, "elapsed_s": elapsed, "data_pos": data_pos, "lr_clock_start_s": run.extras["lr_clock_start_s"],
         "model": model, "optimizer": optimizer, "ema": ema,
         "rng": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
@@ -305,6 +305,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
 
     run = build_run(cfg, inputs, log)
     run.extras["code_revision"] = code_revision()
+    # states saved before the key existed: their schedule started at 0 s
+    run.extras["lr_clock_start_s"] = state.get("lr_clock_start_s", 0.0) if state is not None else None
     if state is not None:
         _restore(run, state)  # unsharded, on every rank
     del state
@@ -320,7 +322,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     engine = distributed.wrap_engine(make_engine(cfg, run.student, run.tokenizer), run.student)
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (distributed.wrap_engine(make_engine(cfg, run.teacher, run.tokenizer), run.teacher)
-                      if cfg.loss.name == "sft" and cfg.loss.sft_source == "teacher" else None)
+                      if loss_table.samples_from(cfg.loss) == "teacher" else None)
     engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     pad_id = run.tokenizer.pad_token_id
@@ -332,6 +334,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     elif step:
         _publish(publisher, run, step, elapsed)  # the state's weights were never published: do it now
         published_step = step
+    first_step = step  # the alignment check runs on the first batch of every start
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
     with publisher, metrics_f, bar:
         while True:
@@ -342,9 +345,13 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if reason:
                 break
             t0 = _clock(run.device)
-            lr = lr_at(cfg.optim.schedule, step=step, total_steps=horizon, elapsed_s=elapsed,
-                       budget_s=cfg.budget.max_wall_time_s, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
-                       warmup_steps=cfg.optim.warmup_steps)
+            if run.extras["lr_clock_start_s"] is None:  # the run's first step starts the wall-clock schedule
+                run.extras["lr_clock_start_s"] = elapsed
+            # ... which ends when this loop will stop (see _should_stop)
+            lr_elapsed_s, lr_budget_s = wallclock_clock(elapsed, run.extras["lr_clock_start_s"], cfg.budget.max_wall_time_s,
+                                                        cfg.budget.deadline_reserve_s, last_step_s)
+            lr = lr_at(cfg.optim.schedule, step=step, total_steps=horizon, elapsed_s=lr_elapsed_s, budget_s=lr_budget_s,
+                       lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps)
             for g in run.optimizer.param_groups:
                 g["lr"] = lr
 
@@ -354,7 +361,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P)][mine]
             data_pos += P
             prompts = run.prompts(examples)
-            if cfg.loss.name == "sft" and cfg.loss.sft_source == "reference":
+            if loss_table.samples_from(cfg.loss) == "reference":
                 sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
                 rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
             else:
@@ -372,8 +379,11 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
             batch = opd.Batch(rollout, t_ids, t_mask)
             t1 = _clock(run.device)
-            align = opd.alignment_report(batch, run.student, cfg.runtime.logprob_chunk, cfg.runtime.unpadded_rows) if (
-                cfg.runtime.alignment_check and step == 0 and cfg.loss.name != "sft") else None
+            align = None
+            if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
+                with run.autocast():  # recomputed as the loss recomputes them; AlignmentError stops the run
+                    align = opd.alignment_report(cfg, batch, run.student,
+                                                 opd.check_precision(cfg, run.dtype, run.device))
             if align:
                 log(f"alignment check passed on the first batch: {align}")
 

@@ -72,18 +72,27 @@ def _ref_full_loss(kind, logits_B_T_V, teacher_logp_B_T_V, clip="none", tau=math
     return total / N_TOKENS
 
 
-def _ref_ppo_loss(kind, logp_B_T, old_B_T, teacher_B_T, eps):
+def _ref_sampled_loss(kind, logp_B_T, old_B_T, teacher_B_T, eps):
+    """Per-token python loop: k1 the plain PPO surrogate (no dual clip); k2/k3 weighted by sg(ratio)."""
     total = torch.zeros(())
     for b, t in _masked_positions():
         s, tl = logp_B_T[b, t], teacher_B_T[b, t]
+        ratio = torch.exp(s - old_B_T[b, t])
         if kind == "k1":
             adv = tl - s.detach()
+            total = total - torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+        elif kind == "k2":
+            total = total + ratio.detach() * 0.5 * (s - tl) ** 2
         else:
-            r = torch.exp(tl - s.detach())
-            adv = -(r - 1 - torch.log(r))
-        ratio = torch.exp(s - old_B_T[b, t])
-        total = total - torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv)
+            r = torch.exp(tl - s)
+            total = total + ratio.detach() * (r - 1 - torch.log(r))
     return total / N_TOKENS
+
+
+def _call_sampled(kind, logp, old, teacher, mask, n, **kw):
+    if kind == "k1":
+        return losses.k1_loss(logp, old, teacher, mask, n, kw.get("clip_eps", 0.2), dual_clip=kw.get("dual_clip", 0.0))
+    return getattr(losses, f"{kind}_loss")(logp, old, teacher, mask, n)
 
 
 def _sampled_inputs(seed=0):
@@ -103,12 +112,11 @@ def _sampled_inputs(seed=0):
 # ----------------------------------------------------------------------------- sampled-token losses
 
 
-@pytest.mark.parametrize("kind", ["k1", "k3"])
-def test_ppo_losses_match_reference_value_and_grad(kind):
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_sampled_losses_match_reference_value_and_grad(kind):
     logp_B_T, old_B_T, teacher_B_T = _sampled_inputs()
-    fn = losses.k1_loss if kind == "k1" else losses.k3_loss
-    loss, m = fn(logp_B_T, old_B_T, teacher_B_T, MASK_B_T, N_TOKENS, clip_eps=0.2)
-    ref = _ref_ppo_loss(kind, logp_B_T, old_B_T, teacher_B_T, 0.2)
+    loss, m = _call_sampled(kind, logp_B_T, old_B_T, teacher_B_T, MASK_B_T, N_TOKENS)
+    ref = _ref_sampled_loss(kind, logp_B_T, old_B_T, teacher_B_T, 0.2)
     assert torch.allclose(loss, ref, atol=ATOL)
     g, g_ref = _grad(loss, logp_B_T), _grad(ref, logp_B_T)
     assert torch.isfinite(g).all() and torch.allclose(g, g_ref, atol=ATOL)
@@ -120,22 +128,145 @@ def test_ppo_losses_match_reference_value_and_grad(kind):
     assert m["kl"] == pytest.approx(sum(a - c for a, c in zip(s, tl)) / 5, abs=1e-5)
     assert m["ratio_max"] == pytest.approx(max(ratios), rel=1e-5)
     assert m["tokens"] == 5
-    assert m["ratio_clipped_frac"] == pytest.approx(2 / 5)  # see _sampled_inputs
-    if kind == "k3":
-        k3 = [math.exp(c - a) - 1 - (c - a) for a, c in zip(s, tl)]
-        assert m["k3"] == pytest.approx(sum(k3) / 5, abs=1e-5)
-        assert m["advantage_mean"] == pytest.approx(-m["k3"], abs=1e-6) and m["advantage_mean"] <= 0
-    else:
+    if kind == "k1":
+        assert m["ratio_clipped_frac"] == pytest.approx(2 / 5)  # see _sampled_inputs
         assert m["advantage_mean"] == pytest.approx(-m["kl"], abs=1e-6)
+    elif kind == "k2":
+        assert m["k2"] == pytest.approx(sum(0.5 * (a - c) ** 2 for a, c in zip(s, tl)) / 5, abs=1e-6)
+    else:
+        assert m["k3"] == pytest.approx(sum(math.exp(c - a) - 1 - (c - a) for a, c in zip(s, tl)) / 5, abs=1e-6)
 
 
 @pytest.mark.parametrize("mask_B_T", [MASK_B_T, torch.ones(B, T), torch.zeros(B, T)])
-@pytest.mark.parametrize("fn", [losses.k1_loss, losses.k3_loss])
-def test_ppo_teacher_equals_student_gives_zero(fn, mask_B_T):
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_sampled_teacher_equals_student_gives_zero(kind, mask_B_T):
     logp_B_T, old_B_T, _ = _sampled_inputs()
-    loss, m = fn(logp_B_T, old_B_T, logp_B_T.detach().clone(), mask_B_T, N_TOKENS, clip_eps=0.2)
-    assert loss.item() == 0 and m["advantage_mean"] == 0 and m["kl"] == 0
+    loss, m = _call_sampled(kind, logp_B_T, old_B_T, logp_B_T.detach().clone(), mask_B_T, N_TOKENS, dual_clip=3.0)
+    assert loss.item() == 0 and m["kl"] == 0 and m.get("advantage_mean", 0.0) == 0
     assert torch.equal(_grad(loss, logp_B_T), torch.zeros(B, T))
+
+
+# ----------------------------------------------------------------------------- expected gradients (issue 14, point 2)
+
+
+def _divergence_grads(theta_V, teacher_logp_V):
+    """Autograd gradients w.r.t. the student logits of the exact KL(p_S || p_T) and KL(p_T || p_S)."""
+    rkl = kl_divergence(Categorical(logits=theta_V), Categorical(logits=teacher_logp_V))
+    fkl = kl_divergence(Categorical(logits=teacher_logp_V), Categorical(logits=theta_V))
+    return torch.autograd.grad(rkl, theta_V)[0], torch.autograd.grad(fkl, theta_V)[0]
+
+
+def _expected_grad(loss_of_token, theta_V, sampler_logp_V):
+    """sum_v q(v) ∇ loss(v): the mean of the Monte Carlo gradient with token v ~ q (the sampler).
+
+    ``loss_of_token(v, logp_1_1, old_1_1)`` is one sampled-token loss with the sampled token
+    fixed to v; exact enumeration over the vocabulary, float64."""
+    q_V = sampler_logp_V.exp()
+    total_V = torch.zeros_like(theta_V)
+    for v in range(theta_V.shape[0]):
+        logp_1_1 = torch.log_softmax(theta_V, -1)[v].reshape(1, 1)
+        loss = loss_of_token(v, logp_1_1, sampler_logp_V[v].reshape(1, 1))
+        total_V += q_V[v] * torch.autograd.grad(loss, theta_V)[0]
+    return total_V
+
+
+def _categoricals(seed, V, off_policy):
+    g = torch.Generator().manual_seed(seed)
+    theta_V = (1.5 * torch.randn(V, generator=g, dtype=torch.float64)).requires_grad_(True)
+    teacher_logp_V = torch.log_softmax(1.5 * torch.randn(V, generator=g, dtype=torch.float64), -1)
+    old_V = theta_V.detach() + (0.5 * torch.randn(V, generator=g, dtype=torch.float64) if off_policy else 0.0)
+    return theta_V, teacher_logp_V, torch.log_softmax(old_V, -1)
+
+
+@pytest.mark.parametrize("off_policy", [False, True])
+@pytest.mark.parametrize("V", [5, 17, 50])
+@pytest.mark.parametrize("kind,target", [("k1", "rkl"), ("k2", "rkl"), ("k3", "fkl")])
+def test_expected_gradient_is_the_named_divergence_gradient(kind, target, V, off_policy):
+    """Σ_v q(v) ∇loss(v), tokens from the sampler q (the student; or an older policy, the step
+    off-policy with the sampling log-probs as old_logp), equals autograd of the exact divergence
+    at the current student: k1 and k2 -> KL(p_S || p_T), k3 -> KL(p_T || p_S). k1 off-policy
+    without clipping (clip_eps = inf, dual clip off): the clip only ever bites off-policy."""
+    for seed in range(3):
+        theta_V, t_V, sampler_V = _categoricals(seed, V, off_policy)
+        one = torch.ones(1, 1, dtype=torch.float64)
+        kw = {"clip_eps": math.inf, "dual_clip": 0.0} if off_policy else {"clip_eps": 0.2, "dual_clip": 3.0}
+        expected_V = _expected_grad(
+            lambda v, logp, old: _call_sampled(kind, logp, old, t_V[v].reshape(1, 1), one, 1.0, **kw)[0],
+            theta_V, sampler_V)
+        g_rkl, g_fkl = _divergence_grads(theta_V, t_V)
+        want_V = g_rkl if target == "rkl" else g_fkl
+        assert torch.allclose(expected_V, want_V, atol=1e-6, rtol=0), (expected_V - want_V).abs().max()
+        assert (g_rkl - g_fkl).abs().max() > 1e-3  # the two targets are told apart
+
+
+def test_sft_on_teacher_samples_has_the_forward_kl_gradient():
+    theta_V, t_V, _ = _categoricals(0, 11, False)
+    one = torch.ones(1, 1, dtype=torch.float64)
+    expected_V = _expected_grad(lambda v, logp, old: losses.sft_loss(logp, one, 1.0)[0], theta_V, t_V)
+    assert torch.allclose(expected_V, _divergence_grads(theta_V, t_V)[1], atol=1e-6, rtol=0)
+
+
+def test_k3_as_a_stop_gradient_reward_climbs_the_forward_kl():
+    """The form k3 had before (a policy gradient with reward -k3, stop-gradient) is no divergence's
+    gradient: its expected gradient is ∇KL(p_S || p_T) - ∇KL(p_T || p_S) (Tang & Munos 2025)."""
+    from opdkit.token_losses import _ppo_surrogate
+
+    theta_V, t_V, sampler_V = _categoricals(0, 7, False)
+    one = torch.ones(1, 1, dtype=torch.bool)
+
+    def old_k3(v, logp, old):
+        log_r = t_V[v].reshape(1, 1) - logp.detach()
+        return _ppo_surrogate(logp, old, -(torch.expm1(log_r) - log_r), one, 1.0, 0.2, 0.0)[0]
+
+    expected_V = _expected_grad(old_k3, theta_V, sampler_V)
+    g_rkl, g_fkl = _divergence_grads(theta_V, t_V)
+    assert torch.allclose(expected_V, g_rkl - g_fkl, atol=1e-6, rtol=0)
+    assert (expected_V - g_rkl).abs().max() > 0.05 and (expected_V - g_fkl).abs().max() > 0.05
+
+
+# ----------------------------------------------------------------------------- PPO dual clip (issue 14, point 9)
+
+
+def _verl_pg_loss(adv, ratio, eps, c):
+    """verl's compute_policy_loss (verl/trainer/ppo/core_algos.py) for one token, in plain floats:
+    pg1 = -A r; pg2 = -A clip(r, 1 - eps, 1 + eps); l = max(pg1, pg2); for A < 0: min(-A c, l)."""
+    clip_pg_losses1 = max(-adv * ratio, -adv * min(max(ratio, 1 - eps), 1 + eps))
+    return min(-adv * c, clip_pg_losses1) if adv < 0 else clip_pg_losses1
+
+
+@pytest.mark.parametrize("dual_clip", [3.0, 0.0])
+def test_k1_dual_clip_matches_verl(dual_clip):
+    """Every case: advantage +-, ratio below / inside / above the clip range and above c = 3.
+    Values and gradients (central differences of the plain-python verl formula) per token."""
+    eps, h = 0.2, 1e-6
+    adv_N = [0.5, -0.5, 1.3, -1.3]
+    log_ratio_N = [-1.0, -0.1, 0.1, 0.5, 1.5, 2.0]  # ratios 0.37, 0.90, 1.11, 1.65, 4.48, 7.39
+    cases = [(a, lr) for a in adv_N for lr in log_ratio_N]
+    c = dual_clip if dual_clip else math.inf
+    old_B_T = torch.full((1, len(cases)), -2.0, dtype=torch.float64)
+    logp_B_T = (old_B_T + torch.tensor([[lr for _, lr in cases]], dtype=torch.float64)).requires_grad_(True)
+    teacher_B_T = logp_B_T.detach() + torch.tensor([[a for a, _ in cases]], dtype=torch.float64)
+    mask_B_T = torch.ones_like(old_B_T)
+    loss, m = losses.k1_loss(logp_B_T, old_B_T, teacher_B_T, mask_B_T, 1.0, eps, dual_clip=dual_clip)
+    grad_N = _grad(loss, logp_B_T)[0].tolist()
+    for i, (a, lr) in enumerate(cases):
+        value = _verl_pg_loss(a, math.exp(lr), eps, c)
+        slope = (_verl_pg_loss(a, math.exp(lr + h), eps, c) - _verl_pg_loss(a, math.exp(lr - h), eps, c)) / (2 * h)
+        one_B_T = torch.zeros_like(mask_B_T)
+        one_B_T[0, i] = 1
+        got, _ = losses.k1_loss(logp_B_T, old_B_T, teacher_B_T, one_B_T, 1.0, eps, dual_clip=dual_clip)
+        assert got.item() == pytest.approx(value, abs=1e-9), (a, lr)
+        assert grad_N[i] == pytest.approx(slope, abs=1e-6), (a, lr)
+    n_dual = sum(1 for a, lr in cases if a < 0 and math.exp(lr) > 3.0) if dual_clip else 0
+    assert m["dual_clipped_frac"] == pytest.approx(n_dual / len(cases))
+    if dual_clip:  # a negative advantage with a large ratio: bounded loss, no gradient
+        assert n_dual == 4 and max(abs(g) for g, (a, lr) in zip(grad_N, cases) if a < 0 and lr > 1.2) == 0
+
+
+def test_dual_clip_bad_value_raises():
+    logp_B_T, old_B_T, teacher_B_T = _sampled_inputs()
+    with pytest.raises(ValueError, match="loss.dual_clip"):
+        losses.k1_loss(logp_B_T, old_B_T, teacher_B_T, MASK_B_T, N_TOKENS, 0.2, dual_clip=0.5)
 
 
 def test_sft_loss():
@@ -334,8 +465,9 @@ def test_topk_fkl_same_distribution_is_zero():
 def _all_losses(logits, teacher, logp, old, teacher_tok, mask, n):
     ids = teacher.nan_to_num(0.0).topk(3, -1).indices
     return {
-        "k1": losses.k1_loss(logp, old, teacher_tok, mask, n, 0.2)[0],
-        "k3": losses.k3_loss(logp, old, teacher_tok, mask, n, 0.2)[0],
+        "k1": losses.k1_loss(logp, old, teacher_tok, mask, n, 0.2, dual_clip=3.0)[0],
+        "k2": losses.k2_loss(logp, old, teacher_tok, mask, n)[0],
+        "k3": losses.k3_loss(logp, old, teacher_tok, mask, n)[0],
         "sft": losses.sft_loss(logp, mask, n)[0],
         "fkl": losses.fkl_loss(logits, teacher, mask, n, clip="entry", tau=0.05)[0],
         "rkl": losses.rkl_loss(logits, teacher, mask, n, clip="token", tau=0.3)[0],

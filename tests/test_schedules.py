@@ -77,3 +77,56 @@ def test_lr_at_errors_say_what_to_set():
             _lr_at(name, total_steps=0)
     with pytest.raises(ValueError, match="budget.max_wall_time_s"):
         _lr_at("wallclock_cosine", budget_s=0.0)
+
+
+def test_wallclock_horizon_is_when_the_loop_stops():
+    assert schedules.wallclock_horizon_s(100.0, 10.0, 0.0) == 90.0  # before the first step
+    assert schedules.wallclock_horizon_s(100.0, 10.0, 4.0) == 86.0
+    assert schedules.wallclock_horizon_s(100.0, 10.0, 95.0) == approx(1e-9)  # passed: min_lr
+    assert schedules.wallclock_horizon_s(0.0, 10.0, 4.0) == 0.0  # no wall budget
+
+
+def test_wallclock_clock_starts_at_the_first_step():
+    assert schedules.wallclock_clock(5.0, 5.0, 100.0, 10.0, 0.0) == (0.0, 85.0)
+    assert schedules.wallclock_clock(50.0, 5.0, 100.0, 10.0, 2.0) == (45.0, 83.0)
+    assert schedules.wallclock_clock(3.0, 0.0, 0.0, 10.0, 2.0) == (0.0, 0.0)  # no wall budget
+
+
+def test_a_real_wall_clock_run_ends_at_min_lr(tmp_path):
+    """``opdkit train`` with a 20 s budget and a 6 s reserve (start-up counted): the first step
+    runs at lr, the last within a step's worth of min_lr. The bound: the last step began at the
+    latest at max - reserve - 2 s (s: the longest step; the loop stops before a step that would
+    end in the reserve), so its share of the schedule from the first step's start t0 to
+    max - reserve is at least 1 - 2 s / (max - reserve - t0)."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    from procs import env
+
+    lr, min_lr = 1e-3, 1e-4
+    for wall, reserve in ((20.0, 6.0), (60.0, 18.0)):  # the second only where start-up took the whole budget
+        out = tmp_path / f"run{int(wall)}"
+        cmd = [sys.executable, "-m", "opdkit", "train", "--out", str(out), "-p", "none", "--quiet",
+               "-S", "optim.schedule=wallclock_cosine", "-S", f"budget.max_wall_time_s={wall}",
+               "-S", f"budget.deadline_reserve_s={reserve}", "-S", "budget.max_steps=0", "-S", "optim.warmup_steps=0",
+               "-S", f"optim.lr={lr}", "-S", f"optim.min_lr={min_lr}", "-S", "publish.every_steps=0",
+               "-S", "rollout.prompts_per_step=2", "-S", "rollout.samples_per_prompt=2",
+               "-S", "rollout.max_new_tokens=16", "-S", "loss.name=k1", "-S", "runtime.threads=1"]
+        proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=150)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = [json.loads(line) for line in (out / "metrics" / "train.jsonl").read_text().splitlines()]
+        assert json.loads((out / "run.json").read_text())["reason"] == "wall_clock"
+        if len(rows) >= 5:
+            break
+    assert len(rows) >= 5, rows
+    step_s = max(r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"] for r in rows) + 0.05
+    t0 = rows[0]["elapsed_s"] - (rows[0]["time_rollout_s"] + rows[0]["time_score_s"] + rows[0]["time_update_s"])
+    horizon = wall - reserve - t0
+    assert rows[0]["lr"] == lr  # start-up does not eat into the schedule
+    frac = max(0.0, 1.0 - 2.0 * step_s / horizon)
+    bound = min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * frac))
+    assert min_lr <= rows[-1]["lr"] <= bound, (rows[-1]["lr"], bound, step_s, len(rows))
+    assert rows[-1]["lr"] - min_lr < 0.25 * (lr - min_lr)  # the old horizon (max_wall_time_s) stopped near 0.5
+    assert all(a["lr"] >= b["lr"] for a, b in zip(rows, rows[1:]))

@@ -8,6 +8,7 @@ import torch
 
 from opdkit.checkpoints import validate_checkpoint
 from opdkit.config import Config, replace
+from opdkit.loss_table import LOSS_NAMES
 from opdkit.train import train
 
 TINY = ("rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=40",
@@ -22,7 +23,7 @@ def _run(tmp_path, *overrides):
     return res, rows
 
 
-@pytest.mark.parametrize("loss", ["k1", "k3", "topk_fkl", "fkl", "rkl", "jsd", "sft"])
+@pytest.mark.parametrize("loss", LOSS_NAMES)
 def test_each_loss_runs_with_finite_metrics(tmp_path, loss):
     res, rows = _run(tmp_path, f"loss.name={loss}")
     assert res.step == 3 and res.reason == "step_horizon" and [r["step"] for r in rows] == [1, 2, 3]
