@@ -8,6 +8,14 @@ SIGKILLed. A whole attempt is retried on transient file-system errors (see
 
 ``Publisher`` runs exports on one background thread; an export error is never lost: it is
 re-raised as ``PublishError`` by the next ``submit()``, ``check()``, ``wait()`` or ``close()``.
+
+The weights are written in the export dtype (``export_dtype``: the source model's own, bf16 for
+real checkpoints, unless ``publish.dtype`` says otherwise), split into shards of at most
+``max_shard_size`` with a ``model.safetensors.index.json`` as ``save_pretrained`` does (the shard
+plan is huggingface_hub's ``split_torch_state_dict_into_shards``; the bytes are written by our
+own writer, whose ``OSError`` keeps its errno for the retry decision). A tensor that is NaN or
+infinite after the cast is never written (``NonFiniteTensor``, before the disk is touched). A full
+disk or read-only file system is not retried and says how much space the export needs.
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ from opdkit.checkpoints import (
     MANIFEST,
     SAFETENSORS_DTYPES,
     WEIGHTS,
+    WEIGHTS_INDEX,
     ModelSpec,
+    NonFiniteTensor,
+    all_finite,
     file_record,
     is_valid_checkpoint,
     list_checkpoints,
@@ -40,7 +51,7 @@ from opdkit.checkpoints import (
     surviving_checkpoints_message,
     validate_checkpoint,
 )
-from opdkit.fsutil import fsync_dir, fsync_tree, retry_io
+from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
 
 _TMP_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-(\d+)(?:-(old|del))?$")
 
@@ -49,6 +60,37 @@ Log = Callable[[str], Any]
 
 class PublishError(RuntimeError):
     """A checkpoint could not be published (the message says which checkpoints survive)."""
+
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(setting: str, source_dir) -> torch.dtype:
+    """``publish.dtype``: a dtype name, or ``auto`` = the dtype in the source model's config.json
+    (``dtype`` or the older ``torch_dtype``; float32 when it names none). Bad values raise ``ValueError``."""
+    if setting != "auto":
+        if setting not in EXPORT_DTYPES:
+            raise ValueError(f"publish.dtype: expected auto or one of {', '.join(EXPORT_DTYPES)}; got {setting!r}")
+        return EXPORT_DTYPES[setting]
+    config = json.loads((Path(source_dir) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"{source_dir}/config.json names dtype {name!r}; set publish.dtype to one of "
+                         f"{', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
+def parse_size(text: str, key: str = "max_shard_size") -> int:
+    """``"5GB"`` -> bytes (units as ``save_pretrained``: KB, MB, GB = powers of 1000; KiB ... of 1024)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        n = parse_size_to_int(str(text))
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{key}: expected a size such as 5GB or 500MB, got {text!r}")
+    return n
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -69,6 +111,8 @@ def export_checkpoint(
     keep: int,
     retries: int,
     backoff_s: float,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
     log: Log = print,
 ) -> Path:
     """Publish ``root/checkpoint-<step>/`` atomically, then keep only the newest ``keep``.
@@ -77,7 +121,9 @@ def export_checkpoint(
     e.g. ``{k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}``), with
     the plain HF model's names (merge LoRA adapters first). Tied weights (``lm_head`` ==
     embeddings) are stored once, as ``save_pretrained`` does. ``generation_config`` may be None
-    (derived from ``model_config``). An existing ``checkpoint-<step>`` is replaced atomically.
+    (derived from ``model_config``). Floating tensors are cast to ``dtype`` (None: as given) and
+    must be finite, else ``NonFiniteTensor`` is raised before anything is written; the weights are
+    sharded at ``max_shard_size``. An existing ``checkpoint-<step>`` is replaced atomically.
     Retention always keeps the new checkpoint plus the ``keep - 1`` newest other valid ones;
     invalid ``checkpoint-*`` dirs older than those are removed too, and stale temp dirs of
     killed runs are cleaned. Raises the last ``OSError`` after ``retries`` transient failures.
@@ -89,18 +135,24 @@ def export_checkpoint(
     final = root / f"checkpoint-{step}"
     tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
     spec = model_spec(model_config)
-    tensors = _tensors_to_save(state_dict, spec)
+    tensors = _tensors_to_save(state_dict, spec, dtype)
+    shards = _shard_plan(tensors, max_shard_size)
+    if dtype is not None:
+        model_config = copy.deepcopy(model_config)
+        model_config.dtype = dtype  # config.json says what the weights are
     t0 = time.monotonic()
     size_bytes = 0
+    need_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20  # + config, tokenizer
 
     def attempt() -> None:
         nonlocal size_bytes
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            _write_checkpoint_dir(tmp, step, tensors, model_config, tokenizer, generation_config, meta, spec)
-            validate_checkpoint(tmp, full=False)  # never publish something we would reject
-            size_bytes = sum(f.stat().st_size for f in tmp.iterdir())
-            _install(tmp, final, log)
+            with explain_storage_errors(root if root.is_dir() else root.parent, need_bytes, f"checkpoint-{step}"):
+                root.mkdir(parents=True, exist_ok=True)
+                _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation_config, meta, spec)
+                validate_checkpoint(tmp, full=False)  # never publish something we would reject
+                size_bytes = sum(f.stat().st_size for f in tmp.iterdir())
+                _install(tmp, final, log)
         except BaseException:
             _remove_tree_quietly(tmp, log)
             raise
@@ -123,8 +175,9 @@ def export_checkpoint(
     return final
 
 
-def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Check the tensors are CPU snapshots and drop tied duplicates (e.g. ``lm_head.weight``)."""
+def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Check the tensors are CPU snapshots, drop tied duplicates (e.g. ``lm_head.weight``), cast
+    floating ones to ``dtype`` and check every value is finite (in memory: the file is never read)."""
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, expected a tensor")
@@ -137,7 +190,22 @@ def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec) -> di
     for target, source in spec.tied.items():
         if target in tensors and source in tensors and _same_values(tensors[target], tensors[source]):
             del tensors[target]
+    for name, t in tensors.items():
+        if t.is_floating_point() and dtype is not None and t.dtype != dtype:
+            t = tensors[name] = t.to(dtype)
+        if t.is_floating_point() and not all_finite(t):
+            raise NonFiniteTensor(name, f"tensor {name} has NaN or infinite values (in {t.dtype}); "
+                                  "it is not published")
     return tensors
+
+
+def _shard_plan(tensors: dict[str, torch.Tensor], max_shard_size: str | int) -> dict[str, dict[str, torch.Tensor]]:
+    """``{file name: tensors}``: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+    shards of at most ``max_shard_size`` each (a larger single tensor gets a shard of its own)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=parse_size(max_shard_size))
+    return {f: {k: tensors[k] for k in names} for f, names in split.filename_to_tensors.items()}
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -147,7 +215,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return same_view or torch.equal(a, b)
 
 
-def _write_checkpoint_dir(tmp, step, tensors, model_config, tokenizer, generation_config, meta, spec) -> None:
+def _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation_config, meta, spec) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a failed attempt of ours
     tmp.mkdir()
@@ -155,7 +223,13 @@ def _write_checkpoint_dir(tmp, step, tensors, model_config, tokenizer, generatio
     if not getattr(config, "architectures", None):
         config.architectures = [spec.architecture]  # vLLM and others dispatch on it
     config.save_pretrained(tmp)
-    _write_safetensors(tmp / WEIGHTS, tensors)
+    for file, tensors in shards.items():
+        _write_safetensors(tmp / file, tensors)
+    if list(shards) != [WEIGHTS]:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for ts in shards.values()
+                                                for t in ts.values())},
+                 "weight_map": {k: f for f, ts in shards.items() for k in sorted(ts)}}
+        (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(tmp)
     if generation_config is None:
         from transformers import GenerationConfig
@@ -308,12 +382,14 @@ class Publisher:
     """
 
     def __init__(
-        self, root, *, keep: int, retries: int, backoff_s: float, background: bool = True, log: Log = print
+        self, root, *, keep: int, retries: int, backoff_s: float, max_shard_size: str | int = "5GB",
+        background: bool = True, log: Log = print
     ):
         if keep < 1:
             raise ValueError(f"publish.keep must be >= 1, got {keep}")
         self.root = Path(root)
         self.keep, self.retries, self.backoff_s = keep, retries, backoff_s
+        self.max_shard_size = max_shard_size
         self.background, self.log = background, log
         self.published: list[int] = []  # steps, in publishing order
         self._thread: threading.Thread | None = None
@@ -321,7 +397,8 @@ class Publisher:
         self._failure: tuple[str, BaseException] | None = None
         self._closed = False
 
-    def submit(self, step: int, *, state_dict, model_config, tokenizer, generation_config, meta: dict) -> None:
+    def submit(self, step: int, *, state_dict, model_config, tokenizer, generation_config, meta: dict,
+               dtype: torch.dtype | None = None) -> None:
         """Start publishing ``checkpoint-<step>``; first waits for (and checks) the previous one."""
         if self._closed:
             raise RuntimeError("Publisher.submit() after close()")
@@ -336,6 +413,7 @@ class Publisher:
             tokenizer=copy.deepcopy(tokenizer),  # the training thread keeps using the original
             generation_config=copy.deepcopy(generation_config),
             meta=copy.deepcopy(meta),
+            dtype=dtype,
         )
         if not self.background:
             self._run(step, kwargs)
@@ -348,11 +426,12 @@ class Publisher:
     def _run(self, step: int, kwargs: dict) -> None:
         try:
             export_checkpoint(self.root, step, keep=self.keep, retries=self.retries, backoff_s=self.backoff_s,
-                              log=self.log, **kwargs)  # fmt: skip
+                              max_shard_size=self.max_shard_size, log=self.log, **kwargs)  # fmt: skip
         except BaseException as exc:  # stored and re-raised on the caller's thread, never lost
             notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
+            what = str(exc) if isinstance(exc, (OSError, NonFiniteTensor)) else repr(exc)
             self._failure = (
-                f"publishing checkpoint-{step} to {self.root} failed: {exc!r}{notes}; "
+                f"publishing checkpoint-{step} to {self.root} failed: {what}{notes}; "
                 f"{surviving_checkpoints_message(self.root)}",
                 exc,
             )

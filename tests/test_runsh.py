@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
@@ -180,5 +181,9 @@ def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_pat
     assert f"run.sh: surviving valid checkpoints in {out}/checkpoints: checkpoint-" in stderr
     ckpts = list_checkpoints(out / "checkpoints")
     assert ckpts and all(is_valid_checkpoint(c) == (True, "ok") for c in ckpts)
-    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    run = json.loads((out / "run.json").read_text())
+    assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     assert not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
+    # the step in flight finished: it has a metrics row, the trainer state and the newest checkpoint
+    state = torch.load(out / "state" / "trainer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    assert metric_steps(out)[-1] == run["step"] == state["step"] == int(ckpts[-1].name.split("-")[1])
