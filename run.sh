@@ -68,6 +68,7 @@ say "running: $(printf '%q ' "${cmd[@]}")"
 # it as SIGTERM (it then finishes a pending export and exits 143); background jobs of a
 # non-interactive shell ignore SIGINT, hence TERM. The first `wait` returns early when a trapped
 # signal arrives: wait again for the trainer's real status.
+started=$(date +%s)
 "${cmd[@]}" &
 child=$!
 trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
@@ -80,10 +81,14 @@ done
 trap - TERM INT HUP
 
 checkpoints_dir="$OUTPUT_DIR/checkpoints"
-# torchrun reports any worker failure as 1: the trainer's run.json says whether values went non-finite
-if ((NPROC > 1 && status == 1)) && "$PYTHON" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1])).get("nonfinite") else 1)' \
-    "$OUTPUT_DIR/run.json" 2>/dev/null; then
-    status=3
+# torchrun reports any ending of its workers other than 0 as its own status: the trainer's run.json
+# says whether values went non-finite (3) or a signal stopped it (128+N)
+if ((NPROC > 1 && status != 0)); then
+    recorded=$("$PYTHON" -c 'import json, os, signal, sys
+r = json.load(open(sys.argv[1])) if os.path.getmtime(sys.argv[1]) >= float(sys.argv[2]) else {}  # this run'"'"'s
+print(3 if r.get("nonfinite") else 128 + signal.Signals[r["reason"]] if r.get("status") == "stopped" else "")' \
+        "$OUTPUT_DIR/run.json" "$started" 2>/dev/null) || recorded=""
+    if [[ -n "$recorded" ]]; then status=$recorded; fi
 fi
 
 list_survivors() {

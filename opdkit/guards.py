@@ -47,7 +47,8 @@ class OutOfMemory(RuntimeError):
         knobs = MEMORY_KNOBS.get(phase, ())
         advice = f"; lower the memory with {', '.join(knobs)}" if knobs else ""
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        super().__init__(f"out of memory in the {phase} phase of step {step} ({first}){advice}")
+        where = "while loading the models" if phase == "startup" else f"in the {phase} phase of step {step}"
+        super().__init__(f"out of memory {where} ({first}){advice}")
 
 
 @dataclass

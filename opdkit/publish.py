@@ -13,7 +13,7 @@ The weights are written in the export dtype (``export_dtype``: the source model'
 real checkpoints, unless ``publish.dtype`` says otherwise), split into shards of at most
 ``max_shard_size`` with a ``model.safetensors.index.json`` as ``save_pretrained`` does (the shard
 plan is huggingface_hub's ``split_torch_state_dict_into_shards``; the bytes are written by our
-own writer, whose ``OSError`` keeps its errno for the retry decision). A tensor that is NaN or
+own writer in ``opdkit.weights_io``, whose ``OSError`` keeps its errno for the retry decision). A tensor that is NaN or
 infinite after the cast is never written (``NonFiniteTensor``, before the disk is touched). A full
 disk or read-only file system is not retried and says how much space the export needs.
 """
@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,6 @@ import torch
 from opdkit.checkpoints import (
     FORMAT,
     MANIFEST,
-    SAFETENSORS_DTYPES,
     WEIGHTS,
     WEIGHTS_INDEX,
     ModelSpec,
@@ -52,6 +50,8 @@ from opdkit.checkpoints import (
     validate_checkpoint,
 )
 from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
+from opdkit.weights_io import shard_plan, write_index
+from opdkit.weights_io import write_safetensors as _write_safetensors  # a name tests patch to inject I/O faults
 
 _TMP_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-(\d+)(?:-(old|del))?$")
 
@@ -60,37 +60,6 @@ Log = Callable[[str], Any]
 
 class PublishError(RuntimeError):
     """A checkpoint could not be published (the message says which checkpoints survive)."""
-
-
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def export_dtype(setting: str, source_dir) -> torch.dtype:
-    """``publish.dtype``: a dtype name, or ``auto`` = the dtype in the source model's config.json
-    (``dtype`` or the older ``torch_dtype``; float32 when it names none). Bad values raise ``ValueError``."""
-    if setting != "auto":
-        if setting not in EXPORT_DTYPES:
-            raise ValueError(f"publish.dtype: expected auto or one of {', '.join(EXPORT_DTYPES)}; got {setting!r}")
-        return EXPORT_DTYPES[setting]
-    config = json.loads((Path(source_dir) / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    if name not in EXPORT_DTYPES:
-        raise ValueError(f"{source_dir}/config.json names dtype {name!r}; set publish.dtype to one of "
-                         f"{', '.join(EXPORT_DTYPES)}")
-    return EXPORT_DTYPES[name]
-
-
-def parse_size(text: str, key: str = "max_shard_size") -> int:
-    """``"5GB"`` -> bytes (units as ``save_pretrained``: KB, MB, GB = powers of 1000; KiB ... of 1024)."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-
-    try:
-        n = parse_size_to_int(str(text))
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise ValueError(f"{key}: expected a size such as 5GB or 500MB, got {text!r}")
-    return n
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -136,7 +105,7 @@ def export_checkpoint(
     tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
     spec = model_spec(model_config)
     tensors = _tensors_to_save(state_dict, spec, dtype)
-    shards = _shard_plan(tensors, max_shard_size)
+    shards = shard_plan(tensors, max_shard_size)
     if dtype is not None:
         model_config = copy.deepcopy(model_config)
         model_config.dtype = dtype  # config.json says what the weights are
@@ -199,15 +168,6 @@ def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec, dtype
     return tensors
 
 
-def _shard_plan(tensors: dict[str, torch.Tensor], max_shard_size: str | int) -> dict[str, dict[str, torch.Tensor]]:
-    """``{file name: tensors}``: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
-    shards of at most ``max_shard_size`` each (a larger single tensor gets a shard of its own)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=parse_size(max_shard_size))
-    return {f: {k: tensors[k] for k in names} for f, names in split.filename_to_tensors.items()}
-
-
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -226,10 +186,7 @@ def _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation
     for file, tensors in shards.items():
         _write_safetensors(tmp / file, tensors)
     if list(shards) != [WEIGHTS]:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for ts in shards.values()
-                                                for t in ts.values())},
-                 "weight_map": {k: f for f, ts in shards.items() for k in sorted(ts)}}
-        (tmp / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_index(tmp / WEIGHTS_INDEX, shards)
     tokenizer.save_pretrained(tmp)
     if generation_config is None:
         from transformers import GenerationConfig
@@ -240,36 +197,6 @@ def _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation
     manifest = {**meta, "step": step, "format": FORMAT, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     fsync_tree(tmp)
-
-
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write the safetensors format with plain Python I/O, so that a failing file system raises
-    ``OSError`` with its errno (the Rust writer reports ``SafetensorError`` without one, and the
-    retry decision needs the errno). Streams one tensor at a time; no second copy of the model."""
-    # Larger itemsize first keeps every tensor aligned to its itemsize (the header is 8-aligned).
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"tensor {name} has dtype {t.dtype}, which opdkit cannot save")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]
-        }  # fmt: skip
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for name in order:
-            flat_u8 = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)  # raw bytes
-            if flat_u8.numel():
-                f.write(memoryview(flat_u8.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _install(tmp: Path, final: Path, log: Log) -> None:

@@ -58,7 +58,8 @@ from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import (OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text,
                            explain_storage_errors, retry_io)
-from opdkit.publish import Publisher, export_dtype, parse_size
+from opdkit.publish import Publisher
+from opdkit.weights_io import export_dtype, parse_size
 from opdkit.rollout import make_engine
 from opdkit.schedules import lr_at
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
@@ -274,8 +275,13 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     holds a run these params may resume. Reads ``out``, never changes it."""
     inputs = prepare_inputs(cfg)
     distributed.check_params(cfg, distributed.current())
-    parse_size(cfg.publish.max_shard_size, "publish.max_shard_size")
-    export_dtype(cfg.publish.dtype, inputs.student_path)
+    try:
+        parse_size(cfg.publish.max_shard_size, "publish.max_shard_size")
+        export_dtype(cfg.publish.dtype, inputs.student_path)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if cfg.runtime.max_nonfinite_skips < 0:
+        raise RunError(f"runtime.max_nonfinite_skips must be >= 0, got {cfg.runtime.max_nonfinite_skips}")
     _check_output_dir(Path(out), cfg, inputs)
     return inputs
 

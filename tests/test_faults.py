@@ -261,6 +261,22 @@ def rows_or_empty(out: Path) -> list[str]:
     return [ln for ln in (out / "metrics" / "train.jsonl").read_text().splitlines() if ln.endswith("}")]
 
 
+def test_a_stop_signal_sets_a_flag_and_a_second_one_stops_at_once():
+    code = textwrap.dedent("""
+        import os, signal, time
+        from opdkit.interrupt import requested, stop_on_signals
+        with stop_on_signals():
+            os.kill(os.getpid(), signal.SIGTERM)  # no exception: the loop reads the flag
+            print("flag", requested(), flush=True)
+            os.kill(os.getpid(), signal.SIGINT)  # the second: the default action, at once
+            time.sleep(30)
+            print("still running")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=60, env=env())
+    assert proc.stdout == f"flag {int(signal.SIGTERM)}\n" and proc.returncode == -signal.SIGINT
+    assert "SIGTERM received: stopping after the current step" in proc.stderr
+
+
 @pytest.mark.slow
 def test_sigint_finishes_the_step_saves_state_and_a_sharded_bf16_checkpoint_and_exits_130(tmp_path):
     out = tmp_path / "out"
@@ -367,3 +383,33 @@ def test_out_of_memory_names_the_phase_and_the_knobs_and_keeps_the_state(tmp_pat
     run = run_json(out)
     assert (run["status"], run["step"], run["out_of_memory"]) == ("failed", 3, "score")
     assert state_step(out) == 2 and ckpt_names(out) == ["checkpoint-2"]
+
+
+# --- bad input stays bad input; run.sh under torchrun -----------------------------------------
+
+
+@pytest.mark.parametrize("override, message", [
+    ("publish.max_shard_size=lots", "opdkit: error: publish.max_shard_size: expected a size such as 5GB or 500MB, got 'lots'"),
+    ("runtime.on_nonfinite=ignore", "opdkit: error: params key 'runtime.on_nonfinite': expected one of stop, skip; got 'ignore'"),
+])
+def test_bad_fault_params_are_one_line_exit_2_and_write_nothing(tmp_path, override, message):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "opdkit", "train", "--out", str(out), "-p", "none", "-S", override],
+                          cwd=tmp_path, text=True, capture_output=True, timeout=120, env=env())
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("record, expected", [({"status": "failed", "nonfinite": ["loss"], "step": 3}, 3),
+                                              ({"status": "stopped", "reason": "SIGTERM", "step": 3}, 143)])
+def test_run_sh_recovers_the_status_torchrun_flattens_from_run_json(tmp_path, record, expected):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    out = tmp_path / "out"
+    fake = bin_dir / "torchrun"  # a worker wrote run.json, then torchrun exited 1 as it does for any failure
+    fake.write_text(f"#!/usr/bin/env bash\nmkdir -p {out}\necho '{json.dumps(record)}' > {out}/run.json\nexit 1\n")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "budget.max_steps=2"], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=120,
+                          env=env(OUTPUT_DIR=str(out), NPROC="2", PATH=f"{bin_dir}:{env()['PATH']}"))
+    assert proc.returncode == expected, proc.stderr
