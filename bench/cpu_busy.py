@@ -4,7 +4,8 @@
 
 For each combination of threads (``runtime.threads``), OpenMP wait policy (``OMP_WAIT_POLICY`` in
 the trainer's environment; ``unset`` leaves it out: libgomp's spin-then-sleep default before
-issue 15, PASSIVE since, as opdkit's command line sets it) and number of busy processes (pure-Python spin loops, one core each), runs ``python -m opdkit train``
+issue 15, PASSIVE since, as opdkit's command line sets it; ``SPIN<n>``: ``GOMP_SPINCOUNT=n``, spin
+briefly then sleep) and number of busy processes (pure-Python spin loops, one core each), runs ``python -m opdkit train``
 for ``--steps`` steps of the default rollout (16 prompts x 4 samples, 64 tokens) and reads the
 step times from its ``metrics/train.jsonl`` (``time_rollout_s + time_score_s + time_update_s``;
 the first two steps are dropped as warm-up). Prints one line per case and writes DIR/cpu_busy.json:
@@ -34,7 +35,12 @@ def one_case(out: Path, steps: int, threads: int, policy: str, busy: int) -> dic
     run_dir = out / f"t{threads}-{policy.lower()}-busy{busy}"
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")}
-    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **({} if policy == "unset" else {"OMP_WAIT_POLICY": policy}))
+    env.pop("GOMP_SPINCOUNT", None)
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    if policy.startswith("SPIN"):  # spin this many times, then sleep (libgomp); the wait policy left unset
+        env.update(GOMP_SPINCOUNT=policy[4:], OMP_WAIT_POLICY="")
+    elif policy != "unset":
+        env["OMP_WAIT_POLICY"] = policy
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
     try:
         cmd = [sys.executable, "-m", "opdkit", "train", "--out", str(run_dir), "-p", "none", "--quiet",
@@ -58,7 +64,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
-    ap.add_argument("--wait-policy", nargs="+", default=["unset"], help="unset | ACTIVE | PASSIVE")
+    ap.add_argument("--wait-policy", nargs="+", default=["unset"], help="unset | ACTIVE | PASSIVE | SPIN<n>")
     ap.add_argument("--busy", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args()
     out = Path(args.out)
