@@ -145,7 +145,10 @@ def cmd_train(args) -> int:
     from opdkit import distributed
 
     world = distributed.init(cfg.runtime)  # a no-op without torchrun
-    survivors = lambda: surviving_checkpoints_message(out / "checkpoints")  # noqa: E731
+
+    def survivors() -> str:
+        return surviving_checkpoints_message(out / "checkpoints")
+
     try:
         with stop_on_signals():  # SIGTERM/SIGINT: a flag the loop reads between steps
             result = train(cfg, out, progress=not args.quiet)

@@ -66,6 +66,16 @@ INJECT = {
             return real(path, tensors)
         p._write_safetensors = patched
     """,
+    "nan_export": """
+        import opdkit.distributed as d
+        real = d.export_state_dict
+        def patched(model):
+            sd = real(model)
+            if WHEN(count()):  # the weights handed to the exporter (the live model stays finite)
+                sd["model.norm.weight"][3] = float("nan")
+            return sd
+        d.export_state_dict = patched
+    """,
     "none": "",
 }
 PRELUDE = """
@@ -196,6 +206,16 @@ def test_an_export_with_a_nan_tensor_is_never_written(tmp_path):
     with pytest.raises(NonFiniteTensor, match="model.norm.weight .*float16"):
         export_checkpoint(tmp_path / "ckpts", 5, **parts, meta={}, keep=2, retries=0, backoff_s=0,
                           dtype=torch.float16, log=lambda s: None)
+
+
+def test_a_trainer_whose_export_holds_a_nan_stops_with_exit_3_and_publishes_nothing_of_it(tmp_path):
+    out = tmp_path / "out"
+    proc = run_train(out, ["budget.max_steps=4", "publish.every_steps=2"], "nan_export", when="n == 2")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "publishing checkpoint-4" in last and "tensor model.norm.weight has NaN or infinite values" in last
+    assert "surviving valid checkpoints: checkpoint-2" in last
+    assert ckpt_names(out) == ["checkpoint-2"] and no_temp_dirs(out) and run_json(out)["status"] == "failed"
 
 
 def test_validate_streams_the_weights_and_rejects_a_nan_naming_the_tensor(tmp_path):
