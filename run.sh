@@ -12,8 +12,11 @@
 #
 # Exit status: 0 only when training reached its intended end (step horizon or wall clock) and
 # the final checkpoint validates (`opdkit validate`); 2 bad input (one line; OUTPUT_DIR left as it
-# was); 75 another run holds OUTPUT_DIR; otherwise the trainer's own status (128+N if signal N
-# killed it), after a line that lists the checkpoints that survive and are valid.
+# was); 3 values went non-finite (nothing non-finite saved or published; the last good state and
+# checkpoints stay); 75 another run holds OUTPUT_DIR; 128+N stopped by signal N (SIGTERM/SIGINT:
+# after the step in flight, with its state and checkpoint); otherwise the trainer's own status
+# (1: a crash, a full or read-only disk, out of memory), after a line that lists the checkpoints
+# that survive and are valid.
 set -euo pipefail
 
 OUTPUT_DIR="${OUTPUT_DIR:-out}"
@@ -22,6 +25,9 @@ PYTHON="${PYTHON:-python}"
 # The replay runs opdkit's built-in defaults (a 180 s wall-clock budget), not the pipeline's
 # params.yaml (whose step horizon would end a wall-clock run early); PARAMS=file opts in.
 PARAMS="${PARAMS:-none}"
+# OpenMP threads that spin while waiting make every step several times slower as soon as another
+# process wants the CPU; passive waiting costs little on an idle machine (see bench/cpu_busy.py).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 
 say() { printf 'run.sh: %s\n' "$*"; }
 fail() { printf 'run.sh: %s\n' "$*" >&2; }
@@ -62,6 +68,7 @@ say "running: $(printf '%q ' "${cmd[@]}")"
 # it as SIGTERM (it then finishes a pending export and exits 143); background jobs of a
 # non-interactive shell ignore SIGINT, hence TERM. The first `wait` returns early when a trapped
 # signal arrives: wait again for the trainer's real status.
+started=$(date +%s)
 "${cmd[@]}" &
 child=$!
 trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
@@ -74,6 +81,15 @@ done
 trap - TERM INT HUP
 
 checkpoints_dir="$OUTPUT_DIR/checkpoints"
+# torchrun reports any ending of its workers other than 0 as its own status: the trainer's run.json
+# says whether values went non-finite (3) or a signal stopped it (128+N)
+if ((NPROC > 1 && status != 0)); then
+    recorded=$("$PYTHON" -c 'import json, os, signal, sys
+r = json.load(open(sys.argv[1])) if os.path.getmtime(sys.argv[1]) >= float(sys.argv[2]) else {}  # this run'"'"'s
+print(3 if r.get("nonfinite") else 128 + signal.Signals[r["reason"]] if r.get("status") == "stopped" else "")' \
+        "$OUTPUT_DIR/run.json" "$started" 2>/dev/null) || recorded=""
+    if [[ -n "$recorded" ]]; then status=$recorded; fi
+fi
 
 list_survivors() {
     local dirs=()
@@ -101,6 +117,8 @@ case "$status" in
     *)
         if ((status > 128)); then
             fail "training was killed by signal $((status - 128)) (exit $status)"
+        elif ((status == 3)); then
+            fail "training stopped: values went non-finite (exit 3); nothing non-finite was saved"
         else
             fail "training failed (exit $status)"
         fi

@@ -15,15 +15,17 @@ weights had been pruned yet looked valid. So the presence of the expected files 
   (and, with ``check_hashes``, the recorded sha256);
 - the weights (``model.safetensors``, or an index and every shard it names) have intact
   safetensors headers, each tensor's byte count fits its dtype and shape, and each file is exactly
-  as long as its header says (not truncated);
+  as long as its header says (not truncated); with an index, every shard holds exactly the tensors
+  the index maps to it, and no tensor is stored twice;
 - tokenizer_config.json and one vocabulary file are present;
 - every tensor the config's architecture expects is in the weights with the right shape (tied
   copies and the model class's ignorable keys excepted), and no tensor it does not know is there.
 
 These checks read only headers (the expected tensors come from a model skeleton on the meta
-device), so stubs and pruned weights are caught without loading the model. With ``full=True`` the
-tokenizer and model are then loaded with ``Auto*`` and must report no missing, unexpected or
-mismatched keys. An I/O error that may be transient is raised as ``OSError`` (we cannot tell
+device), so stubs and pruned weights are caught without loading the model. With ``full=True``
+every floating-point value is then streamed from the files (a bounded buffer, never the whole
+model) and must be finite (the reason names the tensor), and the tokenizer and model are loaded
+with ``Auto*`` and must report no missing, unexpected or mismatched keys. An I/O error that may be transient is raised as ``OSError`` (we cannot tell
 whether the checkpoint is bad), not as ``InvalidCheckpoint``; ``is_valid_checkpoint`` never
 raises and gives the reason instead.
 """
@@ -56,6 +58,25 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
 _ST_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for dt, name in SAFETENSORS_DTYPES.items()}
+
+
+class NonFiniteTensor(ValueError):
+    """A weight tensor holds NaN or infinite values (``name`` says which)."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        super().__init__(message)
+
+
+_FLOAT_CODES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_CHUNK_BYTES = 64 * 2**20
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """No NaN/inf in the floating tensor ``t``, checked ``chunk`` elements at a time (the bool
+    mask never exceeds ``chunk`` bytes, whatever the tensor's size)."""
+    flat = t.detach().reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 class InvalidCheckpoint(ValueError):
@@ -129,6 +150,7 @@ def validate_checkpoint(path, *, full: bool = True, check_hashes: bool = False) 
     try:
         _validate_structure(path, check_hashes)
         if full:
+            _validate_values(path)
             _validate_by_loading(path)
     except OSError as exc:
         if is_transient(exc):
@@ -219,7 +241,14 @@ def _read_weight_shapes(path: Path, bad) -> dict[str, tuple[int, ...]]:
         for shard in sorted(set(weight_map.values())):
             if not (path / shard).is_file():
                 raise bad(f"weight shard {shard} named in {WEIGHTS_INDEX} is missing")
-            shapes.update(_read_safetensors_header(path / shard, bad))
+            in_shard = _read_safetensors_header(path / shard, bad)
+            for name in in_shard:
+                if name in shapes:
+                    raise bad(f"tensor {name} is stored twice (again in {shard})")
+                if weight_map.get(name) != shard:
+                    raise bad(f"{shard} holds tensor {name}, which {WEIGHTS_INDEX} maps to "
+                              f"{weight_map.get(name) or 'no shard'}")
+            shapes.update(in_shard)
         for name, shard in weight_map.items():
             if name not in shapes:
                 raise bad(f"tensor {name} is mapped to {shard} in {WEIGHTS_INDEX} but not stored there")
@@ -227,6 +256,38 @@ def _read_weight_shapes(path: Path, bad) -> dict[str, tuple[int, ...]]:
     if (path / WEIGHTS).is_file():
         return _read_safetensors_header(path / WEIGHTS, bad)
     raise bad(f"no model weights ({WEIGHTS} or {WEIGHTS_INDEX})")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if (path / WEIGHTS_INDEX).is_file():
+        return [path / f for f in sorted(set(json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"].values()))]
+    return [path / WEIGHTS]
+
+
+def _validate_values(path: Path) -> None:
+    """Every floating-point value in the weight files is finite; streamed in ``_CHUNK_BYTES``
+    reads (after ``_validate_structure``, so the headers are known to be sound)."""
+    buf = bytearray(_CHUNK_BYTES)
+    for file in _weight_files(path):
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                dtype = _FLOAT_CODES.get(entry["dtype"])
+                if dtype is None:
+                    continue
+                begin, end = entry["data_offsets"]
+                f.seek(8 + header_len + begin)
+                left = end - begin
+                while left:
+                    n = f.readinto(memoryview(buf)[:min(left, len(buf))])
+                    if not n:
+                        raise InvalidCheckpoint(path, f"{file.name} ends inside tensor {name}")
+                    values = torch.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize)
+                    if not bool(torch.isfinite(values).all()):
+                        raise InvalidCheckpoint(path, f"tensor {name} in {file.name} has NaN or infinite values")
+                    left -= n
 
 
 def _read_safetensors_header(file: Path, bad) -> dict[str, tuple[int, ...]]:

@@ -1,8 +1,14 @@
 """Command line: ``opdkit <command> [-p params.yaml] [-S key=value ...]``.
 
 Exit statuses: 0 success; 1 a failure during the work (the message says which checkpoints
-survive); 2 bad input (one line naming the file/key and what was expected, nothing written);
-75 the output directory is locked by another run; 128+N stopped by signal N (SIGINT, SIGTERM).
+survive: a crash, a full or read-only disk, out of memory, a publish error); 2 bad input (one line
+naming the file/key and what was expected, nothing written); 3 values went non-finite (nothing
+non-finite is saved or published); 75 the output directory is locked by another run; 128+N
+stopped by signal N (SIGINT, SIGTERM: after the step in flight, its state and checkpoint saved).
+
+CPU threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, set before torch is imported, unless the
+environment sets it): spinning OpenMP threads that lose their core to another process make every
+step several times slower.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
-EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_LOCKED = 1, 2, 75
+EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_LOCKED = 1, 2, 3, 75
 
 
 def _add_params(p: argparse.ArgumentParser) -> None:
@@ -89,15 +95,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-class Terminated(BaseException):
-    """SIGTERM (a scheduler stopping the job, run.sh passing on Ctrl-C): unwinds the run like
-    Ctrl-C, so a checkpoint being exported is finished before the process exits 128+15."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
-
-
 def _probe_lock(out: Path) -> None:
     """Raise ``LockHeld`` at once if another run holds ``out``'s lock (before anything slow is
     loaded). Creates and changes nothing; ``train`` takes the lock for real after validating."""
@@ -133,9 +130,12 @@ def cmd_train(args) -> int:
         _probe_lock(out)  # before anything slow is imported
     cfg = _config(args)
     _quiet_datasets()
-    from opdkit.checkpoints import surviving_checkpoints_message
+    from opdkit.checkpoints import NonFiniteTensor, surviving_checkpoints_message
+    from opdkit.fsutil import StorageError
+    from opdkit.guards import NonFiniteError, OutOfMemory
+    from opdkit.interrupt import stop_on_signals
     from opdkit.publish import PublishError
-    from opdkit.train import preflight, train
+    from opdkit.train import STATE_FILE, preflight, train
 
     if args.check:
         inputs = preflight(cfg, out)
@@ -145,24 +145,40 @@ def cmd_train(args) -> int:
     from opdkit import distributed
 
     world = distributed.init(cfg.runtime)  # a no-op without torchrun
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def survivors() -> str:
+        return surviving_checkpoints_message(out / "checkpoints")
+
     try:
-        result = train(cfg, out, progress=not args.quiet)
-    except (*_expected_errors(), PublishError):
+        with stop_on_signals():  # SIGTERM/SIGINT: a flag the loop reads between steps
+            result = train(cfg, out, progress=not args.quiet)
+    except _expected_errors():
         raise  # main() prints these as one line
-    except (KeyboardInterrupt, Terminated) as e:
-        sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
-        print(f"opdkit: training stopped by {sig.name}; {surviving_checkpoints_message(out / 'checkpoints')}",
-              file=sys.stderr)
-        return 128 + sig
+    except PublishError as e:
+        if isinstance(e.__cause__, NonFiniteTensor):
+            print(f"opdkit: stopped, nothing non-finite was published: {e}", file=sys.stderr)
+            return EXIT_NONFINITE
+        raise
+    except NonFiniteError as e:
+        state = out / STATE_FILE
+        kept = (f"the trainer state {state} is the last good one (a rerun resumes from it)" if state.is_file() else
+                "no trainer state was saved before (a rerun starts from the beginning)")
+        print(f"opdkit: training stopped: {e}; {kept}; {survivors()}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except (OutOfMemory, StorageError) as e:
+        print(f"opdkit: training failed: {e}; {survivors()}", file=sys.stderr)
+        return EXIT_FAILURE
     except Exception as e:  # a crash: the traceback, then what survives (never exit 0)
         traceback.print_exc()
-        print(f"opdkit: training failed ({type(e).__name__}: {e}); {surviving_checkpoints_message(out / 'checkpoints')}",
-              file=sys.stderr)
+        print(f"opdkit: training failed ({type(e).__name__}: {e}); {survivors()}", file=sys.stderr)
         return EXIT_FAILURE
     finally:
-        signal.signal(signal.SIGTERM, previous)
         distributed.shutdown()
+    if result.status == "stopped":
+        sig = signal.Signals[result.reason]
+        if world.is_main:
+            print(f"opdkit: training stopped by {sig.name} at step {result.step}; {survivors()}", file=sys.stderr)
+        return 128 + sig
     if world.is_main:
         print(json.dumps(result.__dict__))
     return 0
@@ -284,6 +300,7 @@ def _publish_error() -> type[BaseException]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch (libgomp) loads: before any import of it
     from opdkit.fsutil import LockHeld
 
     args = build_parser().parse_args(argv)

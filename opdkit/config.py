@@ -121,6 +121,8 @@ class PublishConfig:
     keep: int = 3
     retries: int = 5
     backoff_s: float = 0.5
+    dtype: str = "auto"  # weights' dtype in the export: auto (the source student's config dtype) | float32 | bfloat16 | float16
+    max_shard_size: str = "5GB"  # larger exports are split into shards + model.safetensors.index.json (as save_pretrained)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,11 @@ class EvalConfig:
 class RuntimeConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 autocast with fp32 masters on GPU) | float32 | bfloat16
-    threads: int = 2  # torch CPU threads (fixed so CPU runs are reproducible)
+    threads: int = 2  # torch CPU threads (fixed so CPU runs are reproducible; capped at the CPUs this process may use)
+    # A non-finite loss or gradient norm: stop (exit 3, nothing new saved) | skip (drop the step's
+    # update, log skipped_nonfinite; exit 3 after max_nonfinite_skips consecutive skips).
+    on_nonfinite: str = "stop"
+    max_nonfinite_skips: int = 3
     grad_checkpointing: bool = False
     logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab
     # Score and train each sequence on its own, trimmed of its pads: attention then runs causal with
@@ -250,6 +256,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),
     "runtime.teacher_sharding": ("replicate", "fsdp"),
+    "runtime.on_nonfinite": ("stop", "skip"),
+    "publish.dtype": ("auto", "float32", "bfloat16", "float16"),
 }
 
 

@@ -4,12 +4,15 @@
   ``ECOMM``), fail at once on anything else.
 - ``fsync_dir`` / ``fsync_tree`` / ``atomic_write_*``: durable, all-or-nothing writes.
 - ``OutputLock``: one run per output directory (``flock`` on ``DIR/.opdkit.lock``).
+- ``explain_storage_errors``: a full disk, quota or read-only file system (never retried) becomes
+  ``StorageError``, whose message names the directory, the bytes needed and the bytes free.
 
 Standard library only, so it is cheap to import anywhere (including a lock-probing subprocess).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -26,6 +29,10 @@ T = TypeVar("T")
 TRANSIENT_ERRNOS: frozenset[int] = frozenset(
     {errno.EIO, errno.ECOMM, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.EBUSY}
 )
+
+# errno values no retry cures and the user must act on: space, quota, a read-only mount.
+STORAGE_ERRNOS: dict[int, str] = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                                  errno.EROFS: "read-only file system"}
 
 LOCK_NAME = ".opdkit.lock"
 
@@ -68,6 +75,40 @@ def retry_io(
             )
             time.sleep(delay_s)
     raise AssertionError("unreachable")
+
+
+class StorageError(OSError):
+    """Writing failed for lack of space or a read-only file system (the message says where, and how much)."""
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+@contextlib.contextmanager
+def explain_storage_errors(directory: str | os.PathLike, nbytes: int, what: str):
+    """Re-raise ``ENOSPC`` / ``EDQUOT`` / ``EROFS`` inside the block as ``StorageError`` naming
+    ``directory``, the ``nbytes`` that ``what`` needs and the space free there."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in STORAGE_ERRNOS or isinstance(exc, StorageError):
+            raise
+        where = Path(directory)
+        while not where.exists() and where != where.parent:  # the nearest directory that exists
+            where = where.parent
+        try:
+            st = os.statvfs(where)
+            free = f"{_mib(st.f_bavail * st.f_frsize)} free there"
+        except OSError:
+            free = "free space unknown"
+        if exc.errno == errno.EROFS:
+            msg = (f"{directory} is on a read-only file system: {what} needs {_mib(nbytes)} written there; "
+                   "use an output directory on a writable file system")
+        else:
+            msg = (f"{STORAGE_ERRNOS[exc.errno]} for {directory}: {what} needs about {_mib(nbytes)}, {free}; "
+                   "free some space (or lower publish.keep) and rerun, or use another output directory")
+        raise StorageError(exc.errno, msg) from exc
 
 
 # --- durability -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ on the target device and dtype, for benchmarks and GPU tests on machines with no
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -56,8 +57,8 @@ def compute_dtype(rt: RuntimeConfig, device: torch.device) -> torch.dtype:
 
 
 def setup_torch(rt: RuntimeConfig) -> None:
-    if rt.threads > 0:
-        torch.set_num_threads(rt.threads)
+    if rt.threads > 0:  # more threads than the CPUs we may run on only wait for each other
+        torch.set_num_threads(min(rt.threads, len(os.sched_getaffinity(0))))
     if torch.cuda.is_available():
         # cuDNN's SDPA rebuilds its execution plan on the CPU for every new sequence length (~40 ms
         # per backward call, measured on an H200 at 8 x 1.3k tokens): slower than flash / memory-

@@ -8,6 +8,14 @@ SIGKILLed. A whole attempt is retried on transient file-system errors (see
 
 ``Publisher`` runs exports on one background thread; an export error is never lost: it is
 re-raised as ``PublishError`` by the next ``submit()``, ``check()``, ``wait()`` or ``close()``.
+
+The weights are written in the export dtype (``export_dtype``: the source model's own, bf16 for
+real checkpoints, unless ``publish.dtype`` says otherwise), split into shards of at most
+``max_shard_size`` with a ``model.safetensors.index.json`` as ``save_pretrained`` does (the shard
+plan is huggingface_hub's ``split_torch_state_dict_into_shards``; the bytes are written by our
+own writer in ``opdkit.weights_io``, whose ``OSError`` keeps its errno for the retry decision). A tensor that is NaN or
+infinite after the cast is never written (``NonFiniteTensor``, before the disk is touched). A full
+disk or read-only file system is not retried and says how much space the export needs.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -29,9 +36,11 @@ import torch
 from opdkit.checkpoints import (
     FORMAT,
     MANIFEST,
-    SAFETENSORS_DTYPES,
     WEIGHTS,
+    WEIGHTS_INDEX,
     ModelSpec,
+    NonFiniteTensor,
+    all_finite,
     file_record,
     is_valid_checkpoint,
     list_checkpoints,
@@ -40,7 +49,9 @@ from opdkit.checkpoints import (
     surviving_checkpoints_message,
     validate_checkpoint,
 )
-from opdkit.fsutil import fsync_dir, fsync_tree, retry_io
+from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
+from opdkit.weights_io import shard_plan, write_index
+from opdkit.weights_io import write_safetensors as _write_safetensors  # a name tests patch to inject I/O faults
 
 _TMP_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-(\d+)(?:-(old|del))?$")
 
@@ -69,6 +80,8 @@ def export_checkpoint(
     keep: int,
     retries: int,
     backoff_s: float,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str | int = "5GB",
     log: Log = print,
 ) -> Path:
     """Publish ``root/checkpoint-<step>/`` atomically, then keep only the newest ``keep``.
@@ -77,7 +90,9 @@ def export_checkpoint(
     e.g. ``{k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}``), with
     the plain HF model's names (merge LoRA adapters first). Tied weights (``lm_head`` ==
     embeddings) are stored once, as ``save_pretrained`` does. ``generation_config`` may be None
-    (derived from ``model_config``). An existing ``checkpoint-<step>`` is replaced atomically.
+    (derived from ``model_config``). Floating tensors are cast to ``dtype`` (None: as given) and
+    must be finite, else ``NonFiniteTensor`` is raised before anything is written; the weights are
+    sharded at ``max_shard_size``. An existing ``checkpoint-<step>`` is replaced atomically.
     Retention always keeps the new checkpoint plus the ``keep - 1`` newest other valid ones;
     invalid ``checkpoint-*`` dirs older than those are removed too, and stale temp dirs of
     killed runs are cleaned. Raises the last ``OSError`` after ``retries`` transient failures.
@@ -89,18 +104,24 @@ def export_checkpoint(
     final = root / f"checkpoint-{step}"
     tmp = root / f".tmp-checkpoint-{step}-{os.getpid()}"
     spec = model_spec(model_config)
-    tensors = _tensors_to_save(state_dict, spec)
+    tensors = _tensors_to_save(state_dict, spec, dtype)
+    shards = shard_plan(tensors, max_shard_size)
+    if dtype is not None:
+        model_config = copy.deepcopy(model_config)
+        model_config.dtype = dtype  # config.json says what the weights are
     t0 = time.monotonic()
     size_bytes = 0
+    need_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20  # + config, tokenizer
 
     def attempt() -> None:
         nonlocal size_bytes
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            _write_checkpoint_dir(tmp, step, tensors, model_config, tokenizer, generation_config, meta, spec)
-            validate_checkpoint(tmp, full=False)  # never publish something we would reject
-            size_bytes = sum(f.stat().st_size for f in tmp.iterdir())
-            _install(tmp, final, log)
+            with explain_storage_errors(root if root.is_dir() else root.parent, need_bytes, f"checkpoint-{step}"):
+                root.mkdir(parents=True, exist_ok=True)
+                _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation_config, meta, spec)
+                validate_checkpoint(tmp, full=False)  # never publish something we would reject
+                size_bytes = sum(f.stat().st_size for f in tmp.iterdir())
+                _install(tmp, final, log)
         except BaseException:
             _remove_tree_quietly(tmp, log)
             raise
@@ -123,8 +144,9 @@ def export_checkpoint(
     return final
 
 
-def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Check the tensors are CPU snapshots and drop tied duplicates (e.g. ``lm_head.weight``)."""
+def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Check the tensors are CPU snapshots, drop tied duplicates (e.g. ``lm_head.weight``), cast
+    floating ones to ``dtype`` and check every value is finite (in memory: the file is never read)."""
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, expected a tensor")
@@ -137,6 +159,12 @@ def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec) -> di
     for target, source in spec.tied.items():
         if target in tensors and source in tensors and _same_values(tensors[target], tensors[source]):
             del tensors[target]
+    for name, t in tensors.items():
+        if t.is_floating_point() and dtype is not None and t.dtype != dtype:
+            t = tensors[name] = t.to(dtype)
+        if t.is_floating_point() and not all_finite(t):
+            raise NonFiniteTensor(name, f"tensor {name} has NaN or infinite values (in {t.dtype}); "
+                                  "it is not published")
     return tensors
 
 
@@ -147,7 +175,7 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return same_view or torch.equal(a, b)
 
 
-def _write_checkpoint_dir(tmp, step, tensors, model_config, tokenizer, generation_config, meta, spec) -> None:
+def _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation_config, meta, spec) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a failed attempt of ours
     tmp.mkdir()
@@ -155,7 +183,10 @@ def _write_checkpoint_dir(tmp, step, tensors, model_config, tokenizer, generatio
     if not getattr(config, "architectures", None):
         config.architectures = [spec.architecture]  # vLLM and others dispatch on it
     config.save_pretrained(tmp)
-    _write_safetensors(tmp / WEIGHTS, tensors)
+    for file, tensors in shards.items():
+        _write_safetensors(tmp / file, tensors)
+    if list(shards) != [WEIGHTS]:
+        write_index(tmp / WEIGHTS_INDEX, shards)
     tokenizer.save_pretrained(tmp)
     if generation_config is None:
         from transformers import GenerationConfig
@@ -166,36 +197,6 @@ def _write_checkpoint_dir(tmp, step, tensors, model_config, tokenizer, generatio
     manifest = {**meta, "step": step, "format": FORMAT, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     fsync_tree(tmp)
-
-
-def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write the safetensors format with plain Python I/O, so that a failing file system raises
-    ``OSError`` with its errno (the Rust writer reports ``SafetensorError`` without one, and the
-    retry decision needs the errno). Streams one tensor at a time; no second copy of the model."""
-    # Larger itemsize first keeps every tensor aligned to its itemsize (the header is 8-aligned).
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        if t.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"tensor {name} has dtype {t.dtype}, which opdkit cannot save")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]
-        }  # fmt: skip
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for name in order:
-            flat_u8 = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)  # raw bytes
-            if flat_u8.numel():
-                f.write(memoryview(flat_u8.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _install(tmp: Path, final: Path, log: Log) -> None:
@@ -308,12 +309,14 @@ class Publisher:
     """
 
     def __init__(
-        self, root, *, keep: int, retries: int, backoff_s: float, background: bool = True, log: Log = print
+        self, root, *, keep: int, retries: int, backoff_s: float, max_shard_size: str | int = "5GB",
+        background: bool = True, log: Log = print
     ):
         if keep < 1:
             raise ValueError(f"publish.keep must be >= 1, got {keep}")
         self.root = Path(root)
         self.keep, self.retries, self.backoff_s = keep, retries, backoff_s
+        self.max_shard_size = max_shard_size
         self.background, self.log = background, log
         self.published: list[int] = []  # steps, in publishing order
         self._thread: threading.Thread | None = None
@@ -321,7 +324,8 @@ class Publisher:
         self._failure: tuple[str, BaseException] | None = None
         self._closed = False
 
-    def submit(self, step: int, *, state_dict, model_config, tokenizer, generation_config, meta: dict) -> None:
+    def submit(self, step: int, *, state_dict, model_config, tokenizer, generation_config, meta: dict,
+               dtype: torch.dtype | None = None) -> None:
         """Start publishing ``checkpoint-<step>``; first waits for (and checks) the previous one."""
         if self._closed:
             raise RuntimeError("Publisher.submit() after close()")
@@ -336,6 +340,7 @@ class Publisher:
             tokenizer=copy.deepcopy(tokenizer),  # the training thread keeps using the original
             generation_config=copy.deepcopy(generation_config),
             meta=copy.deepcopy(meta),
+            dtype=dtype,
         )
         if not self.background:
             self._run(step, kwargs)
@@ -348,11 +353,12 @@ class Publisher:
     def _run(self, step: int, kwargs: dict) -> None:
         try:
             export_checkpoint(self.root, step, keep=self.keep, retries=self.retries, backoff_s=self.backoff_s,
-                              log=self.log, **kwargs)  # fmt: skip
+                              max_shard_size=self.max_shard_size, log=self.log, **kwargs)  # fmt: skip
         except BaseException as exc:  # stored and re-raised on the caller's thread, never lost
             notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
+            what = str(exc) if isinstance(exc, (OSError, NonFiniteTensor)) else repr(exc)
             self._failure = (
-                f"publishing checkpoint-{step} to {self.root} failed: {exc!r}{notes}; "
+                f"publishing checkpoint-{step} to {self.root} failed: {what}{notes}; "
                 f"{surviving_checkpoints_message(self.root)}",
                 exc,
             )

@@ -7,7 +7,8 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
     metrics/train.jsonl               one JSON object per step
     state/trainer_state.pt            what resume needs (weights or adapter, optimizer, step, data
                                       position, RNG, elapsed wall time); written atomically
-    run.json                          the latest start: running / completed / failed (+ reason, step)
+    run.json                          the latest start: running / completed / stopped (by a signal) /
+                                      failed (+ reason, step; ``nonfinite`` / ``out_of_memory``)
     .opdkit.lock                      held while a run writes here (a second run fails at once)
 
 Every input is validated before anything in the directory is created or changed. The trainer
@@ -25,6 +26,14 @@ Under ``torchrun`` (``opdkit.distributed``) every rank runs this loop on its sha
 prompts with the student sharded by FSDP2; rank 0 alone holds the lock and writes the directory.
 The state is the same as a single process's, so a run resumes under any world size that divides
 ``rollout.prompts_per_step``.
+
+Faults (``opdkit.guards``): a non-finite loss or gradient norm stops the run before the optimizer
+steps (``runtime.on_nonfinite: stop``; ``skip`` drops the update and logs ``skipped_nonfinite``,
+up to ``runtime.max_nonfinite_skips`` steps in a row), and parameters are checked after it; a
+device out-of-memory error names its phase. Both save nothing new: the last good state and
+checkpoints stay, and a rerun resumes from them. A stop signal (``opdkit.interrupt``, read here
+between steps and agreed on by all ranks) ends the run after the step in flight, with its state
+and (when the wall budget is not spent) its checkpoint saved.
 """
 
 from __future__ import annotations
@@ -32,9 +41,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import random
 import resource
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +53,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, loss_table, opd
+from opdkit import distributed, guards, interrupt, loss_table, opd
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
-from opdkit.fsutil import OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text, retry_io
+from opdkit.fsutil import (OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text,
+                           explain_storage_errors, retry_io)
 from opdkit.publish import Publisher
+from opdkit.weights_io import export_dtype, parse_size
 from opdkit.rollout import make_engine
 from opdkit.schedules import lr_at, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
@@ -63,8 +76,8 @@ LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a re
 
 @dataclass
 class TrainResult:
-    status: str  # "completed"
-    reason: str  # "step_horizon" | "wall_clock"
+    status: str  # "completed" | "stopped" (by a signal)
+    reason: str  # "step_horizon" | "wall_clock" | the signal's name ("SIGTERM", "SIGINT")
     step: int
     elapsed_s: float
     checkpoints: list[str]
@@ -100,10 +113,11 @@ def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, l
     }  # fmt: skip
     buf = io.BytesIO()
     torch.save(state, buf)
-    (out / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
-    p = run.cfg.publish
-    retry_io(lambda: atomic_write_bytes(out / STATE_FILE, buf.getvalue()), retries=p.retries, backoff_s=p.backoff_s,
-             what=f"saving the trainer state at step {step}", log=log)
+    p, data = run.cfg.publish, buf.getvalue()
+    with explain_storage_errors((out / STATE_FILE).parent, len(data), f"the trainer state at step {step}"):  # not retried
+        (out / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+        retry_io(lambda: atomic_write_bytes(out / STATE_FILE, data), retries=p.retries, backoff_s=p.backoff_s,
+                 what=f"saving the trainer state at step {step}", log=log)
 
 
 def _load_state(out: Path) -> dict | None:
@@ -195,7 +209,8 @@ def _publish(publisher: Publisher, run: Run, step: int, elapsed: float) -> None:
     }
     base = run.student.get_base_model() if hasattr(run.student, "get_base_model") else run.student
     publisher.submit(step=step, state_dict=distributed.export_state_dict(run.student), model_config=base.config,
-                     tokenizer=run.tokenizer, generation_config=base.generation_config, meta=meta)
+                     tokenizer=run.tokenizer, generation_config=base.generation_config, meta=meta,
+                     dtype=run.extras["publish_dtype"])
 
 
 def _is_published(out: Path, step: int) -> bool:
@@ -231,12 +246,25 @@ def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> 
 
 def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
             experiment_name: str) -> TrainResult:
-    result = TrainResult("completed", reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
+    status = "stopped" if reason.startswith("SIG") else "completed"
+    result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
     if not world.is_main:
         return result
     atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name})
-    log(f"training ended ({reason}) at step {step} after {elapsed:.1f}s; {surviving_checkpoints_message(out / 'checkpoints')}")
+    log(f"training {'stopped by ' if status == 'stopped' else 'ended '}({reason}) at step {step} after {elapsed:.1f}s; "
+        f"{surviving_checkpoints_message(out / 'checkpoints')}")
     return result
+
+
+def _stop_signal(world: distributed.World) -> str | None:
+    """The name of a stop signal any rank received (every rank gets the same answer), else None."""
+    (signum,) = world.max(interrupt.requested())
+    return signal.Signals(int(signum)).name if signum else None
+
+
+def _finite_row(row: dict) -> dict:
+    """NaN / inf as null: train.jsonl stays strict JSON (the row says which values were non-finite)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -247,6 +275,13 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     holds a run these params may resume. Reads ``out``, never changes it."""
     inputs = prepare_inputs(cfg)
     distributed.check_params(cfg, distributed.current())
+    try:
+        parse_size(cfg.publish.max_shard_size, "publish.max_shard_size")
+        export_dtype(cfg.publish.dtype, inputs.student_path)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if cfg.runtime.max_nonfinite_skips < 0:
+        raise RunError(f"runtime.max_nonfinite_skips must be >= 0, got {cfg.runtime.max_nonfinite_skips}")
     _check_output_dir(Path(out), cfg, inputs)
     return inputs
 
@@ -263,14 +298,19 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
     inputs = preflight(cfg, out)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
+    at = guards.StepProgress()  # which step and phase runs (for an out-of-memory message)
     with OutputLock(out) if world.is_main else contextlib.nullcontext():
         try:
-            return _train_locked(cfg, inputs, out, log, progress, t_start, world)
+            try:
+                return _train_locked(cfg, inputs, out, log, progress, t_start, world, at)
+            except torch.OutOfMemoryError as e:
+                raise guards.out_of_memory(e, at) from e
         except BaseException as e:
             if not world.is_main:
                 raise
             try:  # best effort: the failure itself may be the file system
                 atomic_write_json(out / RUN_FILE, {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                                   **getattr(e, "record", {}),
                                                    "checkpoints": [c.name for c in list_checkpoints(out / "checkpoints")]})
             except OSError:
                 pass
@@ -278,7 +318,7 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
 
 
 def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
-                  world: distributed.World) -> TrainResult:
+                  world: distributed.World, at: guards.StepProgress) -> TrainResult:
     state = _load_state(out)  # again, now that no other run can change it
     if state is not None:
         _check_resumable(cfg, inputs, state, out)
@@ -307,6 +347,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     run.extras["code_revision"] = code_revision()
     # states saved before the key existed: their schedule started at 0 s
     run.extras["lr_clock_start_s"] = state.get("lr_clock_start_s", 0.0) if state is not None else None
+    run.extras["publish_dtype"] = export_dtype(cfg.publish.dtype, inputs.student_path)
     if state is not None:
         _restore(run, state)  # unsharded, on every rank
     del state
@@ -314,7 +355,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         run = distributed.shard_run(run, world)
     if world.is_main:
         publisher = Publisher(out / "checkpoints", keep=cfg.publish.keep, retries=cfg.publish.retries,
-                              backoff_s=cfg.publish.backoff_s, log=log)
+                              backoff_s=cfg.publish.backoff_s, max_shard_size=cfg.publish.max_shard_size, log=log)
         (out / "metrics").mkdir(exist_ok=True)
         metrics_f = (out / METRICS_FILE).open("a")
     else:
@@ -329,6 +370,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     horizon = cfg.budget.schedule_steps or cfg.budget.max_steps
     elapsed, last_step_s = elapsed0 + time.monotonic() - t_start, 0.0
     published_step = None  # the newest step whose checkpoint is published or being published
+    start_step, skips = step, 0  # skips: consecutive steps whose non-finite update was dropped
     if step and world.from_main(_is_published(out, step)):
         published_step = step
     elif step:
@@ -341,9 +383,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             publisher.check()  # a failed background export stops the run here, never silently
             # rank 0's clock for all: the same stop decision and wall-clock learning rate everywhere
             elapsed, last_step_s = world.broadcast(elapsed0 + time.monotonic() - t_start, last_step_s)
-            reason = _should_stop(cfg, step, elapsed, last_step_s)
+            reason = _should_stop(cfg, step, elapsed, last_step_s) or _stop_signal(world)
             if reason:
                 break
+            at.step, at.phase = step + 1, "rollout"
             t0 = _clock(run.device)
             if run.extras["lr_clock_start_s"] is None:  # the run's first step starts the wall-clock schedule
                 run.extras["lr_clock_start_s"] = elapsed
@@ -388,21 +431,34 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 log(f"alignment check passed on the first batch: {align}")
 
             # 2. teacher scoring, 3. loss + backward (micro-batched, token mean over the step), 4. update
+            at.phase = "score"
             contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
             t2 = _clock(run.device)
+            at.phase = "update"
             # the token mean over the whole step: FSDP averages gradients over ranks, hence / world.size
             n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
                                               int(rollout.truncated_B.sum()))
             m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
             m = distributed.reduce_metrics(m, world)
-            grad_norm = distributed.clip_grad_norm_([p for p in run.student.parameters() if p.requires_grad],
-                                                    cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            if run.ema is not None:
-                update_ema(run.ema, run.student, cfg.teacher.ema_decay)
-            engine.sync_weights(run.student)  # a separate inference engine (vLLM) samples the new weights
+            trainable = [p for p in run.student.parameters() if p.requires_grad]
+            grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+            # loss and norm are global (reduced over ranks): every rank takes the same decision
+            bad = guards.nonfinite_values(loss=m["loss"], grad_norm=grad_norm)
+            skips = skips + 1 if bad else 0
+            if bad:  # before the optimizer steps: raises under "stop", or after too many skips
+                guards.stop_or_skip(bad, {"loss": m["loss"], "grad_norm": grad_norm}, step + 1, skips,
+                                    cfg.runtime.on_nonfinite, cfg.runtime.max_nonfinite_skips)
+                run.optimizer.zero_grad(set_to_none=True)  # skip: this step's update is dropped
+                log(f"step {step + 1}: non-finite {', '.join(bad)}; update skipped ({skips} in a row)")
+            else:
+                run.optimizer.step()
+                run.optimizer.zero_grad(set_to_none=True)
+                guards.check_parameters(trainable, step + 1)
+                if run.ema is not None:
+                    update_ema(run.ema, run.student, cfg.teacher.ema_decay)
+                engine.sync_weights(run.student)  # a separate inference engine (vLLM) samples the new weights
             step += 1
+            at.phase = "bookkeeping"
             t3 = _clock(run.device)
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
@@ -419,21 +475,31 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
             if align:
                 row["alignment"] = align
-            metrics_f.write(json.dumps(row) + "\n")
+            if bad:
+                row["skipped_nonfinite"] = bad
+            metrics_f.write(json.dumps(_finite_row(row)) + "\n")
             metrics_f.flush()
             _reset_peak_memory(run.device)  # the next row's peak: its step, and any publishing before it
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('kl') or 0:.4f}", s=f"{last_step_s:.2f}")
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
+                at.phase = "publish"
                 publisher.wait()  # the previous export must have succeeded before we move the state on
                 _save_state(out, run, step, elapsed, data_pos, log)  # state first: see the module docstring
                 _publish(publisher, run, step, elapsed)
                 published_step = step
         # the intended end (also at step 0 when the wall budget is already spent): the final
-        # weights are saved and published, and we wait until the checkpoint is complete
-        if published_step != step:
+        # weights are saved and published, and we wait until the checkpoint is complete. A stop
+        # signal: the steps of this start are saved; the checkpoint too unless the wall budget is spent
+        at.phase = "publish"
+        stopped = reason.startswith("SIG")
+        if published_step != step and not (stopped and step == start_step):
             publisher.wait()
             _save_state(out, run, step, elapsed, data_pos, log)
-            _publish(publisher, run, step, elapsed)
+            if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
+                log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
+                    "(a rerun publishes it)")
+            else:
+                _publish(publisher, run, step, elapsed)
         publisher.close()  # raises PublishError if any export failed
     return _finish(out, reason, step, elapsed, log, world, cfg.experiment_name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
@@ -117,14 +119,14 @@ def _fake_command(path: Path, body: str) -> Path:
 def test_run_sh_launches_torchrun_with_nproc_after_a_preflight_and_propagates_its_status(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _fake_command(bin_dir / "torchrun", f'printf "%s\\n" "$@" > {tmp_path}/torchrun.args\nexit 3\n')
+    _fake_command(bin_dir / "torchrun", f'printf "%s\\n" "$@" > {tmp_path}/torchrun.args\nexit 4\n')
     out = tmp_path / "out"
     path = f"{bin_dir}:{os.environ['PATH']}"
     proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(out), NPROC="2", PATH=path)
-    assert proc.returncode == 3
+    assert proc.returncode == 4
     argv = (tmp_path / "torchrun.args").read_text().splitlines()
     assert argv == ["--nproc-per-node", "2", "-m", "opdkit", "train", "--out", str(out), "-p", "none", "-S", "budget.max_steps=2"]
-    assert "run.sh: training failed (exit 3)" in proc.stderr and "no checkpoint survives" in proc.stderr
+    assert "run.sh: training failed (exit 4)" in proc.stderr and "no checkpoint survives" in proc.stderr
     assert not out.exists()  # the preflight (`opdkit train --check`) writes nothing
 
     (tmp_path / "torchrun.args").unlink()
@@ -175,10 +177,14 @@ def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_pat
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "opdkit: training stopped by SIGTERM; surviving valid checkpoints: checkpoint-" in stderr
+    assert re.search(r"opdkit: training stopped by SIGTERM at step \d+; surviving valid checkpoints: checkpoint-", stderr)
     assert "run.sh: training was killed by signal 15 (exit 143)" in stderr
     assert f"run.sh: surviving valid checkpoints in {out}/checkpoints: checkpoint-" in stderr
     ckpts = list_checkpoints(out / "checkpoints")
     assert ckpts and all(is_valid_checkpoint(c) == (True, "ok") for c in ckpts)
-    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    run = json.loads((out / "run.json").read_text())
+    assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     assert not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
+    # the step in flight finished: it has a metrics row, the trainer state and the newest checkpoint
+    state = torch.load(out / "state" / "trainer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    assert metric_steps(out)[-1] == run["step"] == state["step"] == int(ckpts[-1].name.split("-")[1])

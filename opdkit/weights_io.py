@@ -1,0 +1,95 @@
+"""Writing model weights as safetensors: the export dtype, the shard plan, the files and the index.
+
+Our own writer (plain Python I/O) rather than ``safetensors.torch.save_file``: a failing file
+system then raises ``OSError`` with its errno, which the retry decision in ``opdkit.fsutil``
+needs. The shard plan and file names are huggingface_hub's (``split_torch_state_dict_into_shards``,
+what ``save_pretrained`` uses), so a sharded export loads with ``from_pretrained`` as any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opdkit.checkpoints import SAFETENSORS_DTYPES
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(setting: str, source_dir) -> torch.dtype:
+    """``publish.dtype``: a dtype name, or ``auto`` = the dtype in the source model's config.json
+    (``dtype`` or the older ``torch_dtype``; float32 when it names none). Bad values raise ``ValueError``."""
+    if setting != "auto":
+        if setting not in EXPORT_DTYPES:
+            raise ValueError(f"publish.dtype: expected auto or one of {', '.join(EXPORT_DTYPES)}; got {setting!r}")
+        return EXPORT_DTYPES[setting]
+    config = json.loads((Path(source_dir) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"{source_dir}/config.json names dtype {name!r}; set publish.dtype to one of "
+                         f"{', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
+def parse_size(text: str, key: str = "max_shard_size") -> int:
+    """``"5GB"`` -> bytes (units as ``save_pretrained``: KB, MB, GB = powers of 1000; KiB ... of 1024)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        n = parse_size_to_int(str(text))
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{key}: expected a size such as 5GB or 500MB, got {text!r}")
+    return n
+
+
+def shard_plan(tensors: dict[str, torch.Tensor], max_shard_size: str | int) -> dict[str, dict[str, torch.Tensor]]:
+    """``{file name: tensors}``: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+    shards of at most ``max_shard_size`` each (a larger single tensor gets a shard of its own)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=parse_size(max_shard_size))
+    return {f: {k: tensors[k] for k in names} for f, names in split.filename_to_tensors.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the safetensors format with plain Python I/O, so that a failing file system raises
+    ``OSError`` with its errno (the Rust writer reports ``SafetensorError`` without one, and the
+    retry decision needs the errno). Streams one tensor at a time; no second copy of the model."""
+    # Larger itemsize first keeps every tensor aligned to its itemsize (the header is 8-aligned).
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"tensor {name} has dtype {t.dtype}, which opdkit cannot save")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]
+        }  # fmt: skip
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for name in order:
+            flat_u8 = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)  # raw bytes
+            if flat_u8.numel():
+                f.write(memoryview(flat_u8.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_index(path: Path, shards: dict[str, dict[str, torch.Tensor]]) -> None:
+    """``model.safetensors.index.json`` for ``shards`` (``{file: tensors}``), as ``save_pretrained`` writes it."""
+    total = sum(t.numel() * t.element_size() for ts in shards.values() for t in ts.values())
+    index = {"metadata": {"total_size": total}, "weight_map": {k: f for f, ts in shards.items() for k in sorted(ts)}}
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
