@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opdkit import opd  # noqa: E402
 from opdkit.models import random_model, setup_torch, shape_config  # noqa: E402
 from opdkit.recipes import load_config  # noqa: E402
-from opdkit.rollout import left_pad, make_engine  # noqa: E402
+from opdkit.engines.base import left_pad  # noqa: E402
+from opdkit.engines.select import make_engine  # noqa: E402
 from opdkit.schedules import lr_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,7 @@ def roofline(args) -> dict:
 def decode_check(args) -> dict:
     """Are decoded rows independent of the decode batch? 8 rows at once vs 2 calls of 4 (same seeds),
     and decode steps/s of the static-cache decoder at batch 8 and 4."""
-    from opdkit.decode import StaticDecoder
+    from opdkit.engines.static import StaticDecoder
 
     T = args.max_new_tokens or 512
     mcfg = shape_config("qwen2-1.5b", eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None, **dict(args.shape_kw))

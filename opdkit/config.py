@@ -57,7 +57,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "hf"  # hf | vllm
+    engine: str = "auto"  # auto (vllm on CUDA where it is installed, else hf) | hf | vllm
     prompts_per_step: int = 16
     samples_per_prompt: int = 4
     temperature: float = 1.0
@@ -66,6 +66,7 @@ class RolloutConfig:
     static_cache: bool = True  # used on CUDA only
     batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
+    max_prompt_tokens: int = 2048  # vllm only: its max_model_len is this + max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "teacher.source": ("model", "privileged_fixed", "privileged_ema", "privileged_live"),
     "data.prompt_format": ("boxed", "answer_line", "raw"),
-    "rollout.engine": ("hf", "vllm"),
+    "rollout.engine": ("auto", "hf", "vllm"),
     "loss.name": ("k1", "k3", "topk_fkl", "fkl", "rkl", "jsd", "sft"),
     "loss.clip": ("none", "entry", "token"),
     "loss.sft_source": ("teacher", "reference"),

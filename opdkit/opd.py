@@ -19,7 +19,8 @@ import torch
 
 from opdkit import losses
 from opdkit.config import Config
-from opdkit.rollout import Rollout, left_pad, sample_seed
+from opdkit.engines.base import Rollout, left_pad
+from opdkit.engines.sampling import sample_seed
 from opdkit.teacher import Geometry, build_geometry, check_alignment, completion_hidden, token_logprobs, unwrap
 
 SAMPLED_LOSSES = ("k1", "k3", "sft")

@@ -47,7 +47,8 @@ from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text, retry_io
 from opdkit.publish import Publisher
-from opdkit.rollout import make_engine
+from opdkit.engines.base import left_pad
+from opdkit.engines.select import make_engine
 from opdkit.schedules import lr_at
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
 
@@ -366,8 +367,6 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if cfg.teacher.source == "model":
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
             else:  # privileged: the teacher's prompt also holds the reference solution
-                from opdkit.rollout import left_pad
-
                 priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
             batch = opd.Batch(rollout, t_ids, t_mask)
