@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -109,6 +110,10 @@ def _require_vllm(device: torch.device):
     return vllm
 
 
+def _free_gpu_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+
 def _rng_state() -> tuple:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
@@ -148,6 +153,7 @@ class VLLMEngine:
         else:  # keep the engine core in this process, so weights can be pushed into its model
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         rng = _rng_state()
+        t0, free0 = time.perf_counter(), _free_gpu_bytes(device)
         try:
             self.llm = vllm.LLM(
                 model=path, tokenizer=path, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
@@ -158,12 +164,15 @@ class VLLMEngine:
         finally:
             _set_rng_state(rng)  # vLLM seeded the global RNGs: the trainer's streams go on as before
         ENGINES_BUILT += 1
+        # start-up cost, for benchmarks: seconds, and the GPU memory it holds awake (weights, KV cache, graphs)
+        self.stats = {"start_s": time.perf_counter() - t0, "gpu_gib_awake": (free0 - _free_gpu_bytes(device)) / 2**30}
         self.SamplingParams = vllm.SamplingParams
         self.sleeps = device.type == "cuda"  # sleep mode is a CUDA feature of vLLM
         self.device = device
         self.awake = {"weights", "kv_cache"}  # what is allocated now (all of it after start-up)
         self.synced = False
         self._sleep()
+        self.stats["gpu_gib_asleep"] = (free0 - _free_gpu_bytes(device)) / 2**30 if device.type == "cuda" else 0.0
 
     def _sleep(self) -> None:
         if self.sleeps and self.awake:
