@@ -219,6 +219,7 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
                             fused=DEVICE == "cuda")
     if engine_name(cfg, dev) == "vllm":  # vLLM builds the architecture from a directory (weights are pushed)
         cfg_dir = Path(f"/tmp/opd_bench_{shape}")
+        mcfg.architectures = [type(plain(student)).__name__]  # else vLLM guesses (a Qwen3 config became a pooler)
         mcfg.save_pretrained(cfg_dir)
         plain(student).config._name_or_path = str(cfg_dir)
     engine = make_engine(cfg, student, tok)

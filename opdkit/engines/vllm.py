@@ -10,7 +10,8 @@ torchrun, ``external_launcher``), in this process (``VLLM_ENABLE_V1_MULTIPROCESS
   ``rollout.max_new_tokens`` (not the model's full context); ``gpu_memory_utilization`` bounds its
   weights + KV cache;
 - between rollouts it sleeps at level 2 (weights and KV cache freed; buffers kept on the CPU), so
-  scoring and the optimizer step have the memory;
+  scoring and the optimizer step have the memory; a ``sample`` with no push since the last one
+  pushes the live model again (the HF engine reads it live too);
 - ``sync_weights`` wakes the weights only, streams the merged (LoRA folded in), base-named bf16
   weights into ``model.load_weights`` one parameter at a time through ``LLM.apply_model``, checks
   that every engine parameter was loaded, then resets the prefix cache; ``sample`` wakes the KV
@@ -157,7 +158,7 @@ class VLLMEngine:
         try:
             self.llm = vllm.LLM(
                 model=path, tokenizer=path, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
-                tensor_parallel_size=1, load_format="dummy",
+                tensor_parallel_size=1, load_format="dummy", runner="generate",
                 max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
                 gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
                 enable_prefix_caching=True, logprobs_mode="raw_logprobs", **kw)
@@ -171,6 +172,7 @@ class VLLMEngine:
         self.device = device
         self.awake = {"weights", "kv_cache"}  # what is allocated now (all of it after start-up)
         self.synced = False
+        self.model = None  # the live model of the last push
         self._sleep()
         self.stats["gpu_gib_asleep"] = (free0 - _free_gpu_bytes(device)) / 2**30 if device.type == "cuda" else 0.0
 
@@ -199,13 +201,15 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM load_weights left {len(missing)} engine parameters unloaded, e.g. {missing[:5]}: "
                                "the pushed names do not match the engine's architecture")
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        self.synced = True
+        self.synced, self.model = True, model
 
     @torch.no_grad()
     def sample(self, prompts, *, samples_per_prompt, seeds, temperature, top_p, max_new_tokens) -> Rollout:
-        if not self.synced:
-            raise RuntimeError("VLLMEngine.sample without sync_weights since it last slept: it starts with dummy weights "
-                               "and discards them after each sample (sleep level 2); push the live ones first")
+        if not self.synced:  # level-2 sleep discarded the weights: push the live model's (as of now) again
+            if self.model is None:
+                raise RuntimeError("VLLMEngine.sample before the first sync_weights: the engine starts with dummy "
+                                   "weights; push the live ones first")
+            self.sync_weights(self.model)
         rows = [p for p in prompts for _ in range(samples_per_prompt)]  # prompt-major: B = P*G
         if len(seeds) != len(rows):
             raise ValueError(f"need one seed per sample: {len(rows)} samples, {len(seeds)} seeds")
