@@ -45,7 +45,7 @@ def test_a_checkpoints_generation_config_does_not_change_what_is_sampled(tiny_ll
     ref = HFEngine(copy.deepcopy(tiny_llama), tok, static_cache=False).sample(prompts, **kw)
     assert torch.equal(ro.completion_ids_B_T, ref.completion_ids_B_T)
     m = ro.completion_mask_B_T.bool()
-    assert (_recomputed(shipped, ro) - ro.sampling_logp_B_T).abs()[m].max() < 1e-5
+    assert (_recomputed(shipped, ro) - ro.sampling_logp_B_T).abs()[m].max() < 1e-6  # measured 2.4e-7
     assert shipped.generation_config.repetition_penalty == 1.3  # the model's own config is back after the call
     # and the file's settings would have changed the sample: plain generate with them differs
     ids, mask = left_pad(prompts, tok.pad_token_id)
