@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opdkit import opd  # noqa: E402
 from opdkit.models import random_model, setup_torch, shape_config  # noqa: E402
 from opdkit.recipes import load_config  # noqa: E402
-from opdkit.rollout import left_pad, make_engine  # noqa: E402
+from opdkit.engines.base import left_pad  # noqa: E402
+from opdkit.engines.select import engine_name, make_engine  # noqa: E402
+from opdkit.engines.weights import plain  # noqa: E402
 from opdkit.schedules import lr_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +155,7 @@ def roofline(args) -> dict:
 def decode_check(args) -> dict:
     """Are decoded rows independent of the decode batch? 8 rows at once vs 2 calls of 4 (same seeds),
     and decode steps/s of the static-cache decoder at batch 8 and 4."""
-    from opdkit.decode import StaticDecoder
+    from opdkit.engines.static import StaticDecoder
 
     T = args.max_new_tokens or 512
     mcfg = shape_config("qwen2-1.5b", eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None, **dict(args.shape_kw))
@@ -215,7 +217,14 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay,
                             fused=DEVICE == "cuda")
+    if engine_name(cfg, dev) == "vllm":  # vLLM builds the architecture from a directory (weights are pushed)
+        cfg_dir = Path(f"/tmp/opd_bench_{shape}")
+        mcfg.architectures = [type(plain(student)).__name__]  # else vLLM guesses (a Qwen3 config became a pooler)
+        mcfg.save_pretrained(cfg_dir)
+        plain(student).config._name_or_path = str(cfg_dir)
     engine = make_engine(cfg, student, tok)
+    engine.sync_weights(student)
+    engine_stats = dict(getattr(engine, "stats", {}))
 
     def autocast():
         return torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda")
@@ -256,6 +265,8 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = sync()
+        engine.sync_weights(student)  # the next rollout samples the new weights (a copy for the decoder / vLLM)
+        t4 = sync()
         if prof is not None:
             prof.__exit__(None, None, None)
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
@@ -269,11 +280,11 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
         n_tok = sum(comp_len)
         upd_flops = 3 * forward_flops(facts, s_lens, n_tok)  # fwd + bwd (2x fwd); recompute not counted
         score_flops = forward_flops(facts, t_lens, n_tok)
-        dec = engine.decoder.stats if engine.decoder is not None else {}
+        dec = engine.decoder.stats if getattr(engine, "decoder", None) is not None else {}
         row = {
             "step": step + 1, "rows": B, "new_tokens_cap": R.max_new_tokens, "completion_width": T,
             "tokens": n_tok, "truncated_frac": float(ro.truncated_B.float().mean()),
-            "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "step_s": t3 - t0,
+            "rollout_s": t1 - t0, "score_s": t2 - t1, "update_s": t3 - t2, "sync_s": t4 - t3, "step_s": t4 - t0,
             "decode_steps_per_s": dec.get("decode_steps", T) / (t1 - t0), "cuda_graphs": dec.get("graphs"),
             "train_tokens_per_s": sum(s_lens) / (t3 - t2), "update_mfu": upd_flops / (t3 - t2) / PEAK_BF16,
             "score_mfu": score_flops / (t2 - t1) / PEAK_BF16,
@@ -282,6 +293,7 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
         print(json.dumps(row), flush=True)
         steps.append(row)
     return {"what": recipe, "shape": shape, "recipe": recipe, "setup_s": setup_s, "facts": facts,
+            "engine": engine_name(cfg, dev), "engine_stats": engine_stats,
             "lora": cfg.lora.enabled, "trainable_params": sum(p.numel() for p in params), "steps": steps,
             "config": {"P": P, "G": G, "max_new_tokens": R.max_new_tokens, "loss": cfg.loss.name,
                        "grad_checkpointing": cfg.runtime.grad_checkpointing, "logprob_chunk": cfg.runtime.logprob_chunk,

@@ -62,7 +62,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "hf"  # hf | vllm
+    engine: str = "auto"  # auto (vllm on CUDA where it is installed, else hf) | hf | vllm
     prompts_per_step: int = 16
     samples_per_prompt: int = 4
     temperature: float = 1.0
@@ -71,6 +71,7 @@ class RolloutConfig:
     static_cache: bool = True  # used on CUDA only
     batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
+    max_prompt_tokens: int = 2048  # vllm only: its max_model_len is this + max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ class Config:
 CHOICES: dict[str, tuple[str, ...]] = {
     "teacher.source": ("model", "privileged_fixed", "privileged_ema", "privileged_live"),
     "data.prompt_format": ("boxed", "answer_line", "raw"),
-    "rollout.engine": ("hf", "vllm"),
+    "rollout.engine": ("auto", "hf", "vllm"),
     "loss.name": LOSS_NAMES,
     "loss.clip": ("none", "entry", "token"),
     "loss.sft_source": SFT_SOURCES,

@@ -14,13 +14,16 @@ every rank. Per step:
 
 The student is sharded with FSDP2 (``fully_shard`` on each decoder layer, then on the root, which
 owns the embeddings, the final norm and the head). The teacher is replicated (inference only) or
-sharded the same way (``runtime.teacher_sharding``). Rollouts need full weights: ``ShardedEngine``
-gathers them for the duration of ``sample`` (``full_params``), so generation itself runs no
-collectives and a rank that finishes early does not hold the others up.
+sharded the same way (``runtime.teacher_sharding``). On CUDA the layers all-gather in bf16
+(``MixedPrecisionPolicy``; the fp32 masters and the optimizer stay fp32). Rollouts: an engine with
+its own copy of the weights (the static decoder, vLLM) gets them gathered one parameter at a time
+in ``sync_weights``; ``model.generate`` on the live model runs under ``full_params`` (see
+``engines.sharded``). Either way generation runs no collectives and a rank that finishes early does
+not hold the others up.
 
-The trainer state is written in the single-process layout (full, unsharded weights or adapter, and
-the optimizer state keyed by parameter index), gathered with the ``torch.distributed.checkpoint``
-state-dict helpers: a run resumes under any world size that divides ``rollout.prompts_per_step``,
+The trainer state is written in the single-process layout (full, unsharded weights or, with LoRA,
+only the adapter, gathered alone; the optimizer state keyed by parameter index), gathered with the
+``torch.distributed.checkpoint`` state-dict helpers: a run resumes under any world size that divides ``rollout.prompts_per_step``,
 including one process. Backend: NCCL on CUDA (``NCCL_NVLS_ENABLE=0`` unless set), gloo on CPU.
 
 Nothing here runs or imports ``torch.distributed`` state on import; a plain ``python -m opdkit``
@@ -29,7 +32,6 @@ run never touches it (``World()`` is the single-process world).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import os
@@ -38,9 +40,12 @@ from dataclasses import dataclass
 import torch
 
 from opdkit.config import Config, RuntimeConfig
-from opdkit.setup import Run, RunError, export_state_dict as _export_unsharded
-from opdkit.setup import make_optimizer, trainable_state as _trainable_unsharded
+from opdkit.engines import select
+from opdkit.engines.weights import export_state_dict as _export, full
+from opdkit.setup import Run, RunError, make_optimizer, trainable_state as _trainable_unsharded
+from opdkit.sharding import fsdp_units, full_params, is_sharded, reshard  # noqa: F401
 from opdkit.teacher import unwrap
+
 
 def launched() -> bool:
     """True inside a process started by ``torchrun`` (it sets RANK, WORLD_SIZE, LOCAL_RANK ...)."""
@@ -167,6 +172,8 @@ def check_params(cfg: Config, world: World) -> None:
     process group the size is ``WORLD_SIZE`` if set: ``WORLD_SIZE=N opdkit train --check`` checks
     the params for a torchrun of N processes."""
     n = world.size if world.active else int(os.environ.get("WORLD_SIZE", "1"))
+    select.check_params(cfg, world.device if world.active else torch.device(
+        "cuda" if cfg.runtime.device != "cpu" and torch.cuda.is_available() else "cpu"))
     P = cfg.rollout.prompts_per_step
     if P % n:
         raise RunError(f"rollout.prompts_per_step={P} must be a multiple of the number of ranks ({n}): "
@@ -176,36 +183,28 @@ def check_params(cfg: Config, world: World) -> None:
 # --- sharding ---------------------------------------------------------------------------------
 
 
-def _fsdp_units(model) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def shard_model(model, world: World):
     """FSDP2 in place: ``fully_shard`` each decoder layer, then the root (embeddings, final norm,
-    head and everything else). Returns ``model``.
+    head and everything else). Returns ``model``. On CUDA parameters are all-gathered in bf16
+    (``MixedPrecisionPolicy(param_dtype=bfloat16)``, gradients reduced in fp32; the sharded fp32
+    masters are what the optimizer steps).
 
     ``opdkit.opd`` calls the decoder and the head directly, not the root's ``forward`` (hidden
-    states once, head logits chunk by chunk): a pre-hook on each gathers the root's parameters
-    first (a no-op while they are gathered; FSDP frees them again after backward).
+    states once, head logits chunk by chunk): ``register_fsdp_forward_method`` makes the root
+    gather its parameters for those calls as it does for its own ``forward``.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(world.device.type, (world.size,))
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if world.device.type == "cuda" else MixedPrecisionPolicy())
     decoder, head = unwrap(model)
     for layer in decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for sub in (decoder, head):
-        sub.register_forward_pre_hook(lambda *_: model.unshard())
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for sub in (decoder, head):  # the submodules opd calls: each call gathers the root's parameters first
+        _gather_root_for(model, sub)
     # FSDP's lazy initialisation makes the module whose forward runs first the root: run one token
     # through the real root now (no grad, no RNG drawn), before anything calls a submodule.
     with torch.no_grad(), torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
@@ -214,31 +213,16 @@ def shard_model(model, world: World):
     return model
 
 
-@contextlib.contextmanager
-def full_params(model):
-    """Inside the block every parameter of a sharded ``model`` is gathered (plain full tensors, as in
-    an unsharded model) and forward passes run no collectives; sharded again on exit."""
-    units = _fsdp_units(model)
-    if not units:
-        yield model
-        return
-    units[0].set_reshard_after_forward(False)  # recursive: no unit frees its parameters after forward
-    for u in units:
-        u.unshard()
-    try:
-        yield model
-    finally:
-        for u in units[1:]:  # the root keeps FSDP's root setting (False); the layers go back to True
-            u.set_reshard_after_forward(True, recurse=False)
-        for u in units:
-            u.reshard()
+def _gather_root_for(root, sub) -> None:
+    """Route ``sub.forward`` through the root FSDP module's pre/post-forward (gather, and reshard
+    per the root's policy), as ``register_fsdp_forward_method`` does for a method of the root."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
 
-
-def reshard(model) -> None:
-    """Back to the sharded layout (the root of a model that only ran forward keeps its parameters
-    gathered until a backward; code that pairs parameters of two sharded models needs both sharded)."""
-    for u in _fsdp_units(model):
-        u.reshard()
+    name = f"_opdkit_forward_{id(sub)}"
+    inner = sub.forward
+    setattr(root, name, lambda *a, **k: inner(*a, **k))
+    register_fsdp_forward_method(root, name)
+    sub.forward = getattr(root, name)
 
 
 def _broadcast_module(model, world: World) -> None:
@@ -282,42 +266,6 @@ def shard_run(run: Run, world: World) -> Run:
         for g, g_old in zip(optimizer.param_groups, old["param_groups"]):  # hyperparameters exactly as they were
             g.update({k: v for k, v in g_old.items() if k != "params"})
     return dataclasses.replace(run, optimizer=optimizer)
-
-
-# --- rollouts ---------------------------------------------------------------------------------
-
-
-class ShardedEngine:
-    """A rollout engine over a sharded policy: the inner engine sees the full parameters.
-
-    ``HFEngine`` reads the live model while it samples (``generate`` or the static decoder's
-    refresh), so the whole ``sample`` runs under ``full_params``; an engine with its own copy of the
-    weights (vLLM) needs them only in ``sync_weights``. Every rank calls both at the same points of
-    the loop (gathering is collective).
-    """
-
-    def __init__(self, inner, model):
-        from opdkit.rollout import HFEngine
-
-        self.inner, self.model = inner, model
-        self.reads_live_model = isinstance(inner, HFEngine)
-
-    def sample(self, prompts, **kw):
-        with full_params(self.model) if self.reads_live_model else contextlib.nullcontext():
-            return self.inner.sample(prompts, **kw)
-
-    def sync_weights(self, model) -> None:
-        self.model = model
-        if self.reads_live_model:
-            self.inner.sync_weights(model)
-            return
-        with full_params(model):
-            self.inner.sync_weights(model)
-
-
-def wrap_engine(engine, model):
-    """``engine`` as is for an unsharded ``model``; a ``ShardedEngine`` around it otherwise."""
-    return ShardedEngine(engine, model) if is_sharded(model) else engine
 
 
 # --- optimisation -----------------------------------------------------------------------------
@@ -368,15 +316,23 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
-    """``setup.trainable_state`` of the unsharded model (adapter only with LoRA), on rank 0."""
+    """``setup.trainable_state`` of the unsharded model, on rank 0 ({} on other ranks). With LoRA
+    only the adapter parameters are gathered (one at a time), not the whole model."""
     if not is_sharded(model):
         return _trainable_unsharded(model)
-    full = full_state_dict(model)
-    if not full or not hasattr(model, "merge_adapter"):
-        return full
+    if not hasattr(model, "merge_adapter"):
+        return full_state_dict(model)
     from peft import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(model, state_dict=full)
+    reshard(model)
+    main = current().is_main
+    adapters = {}
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            t = full(p.detach())
+            if main:
+                adapters[n] = t.to("cpu", copy=True)
+    return get_peft_model_state_dict(model, state_dict=adapters) if main else {}
 
 
 def optimizer_state(model, optimizer) -> dict:
@@ -398,39 +354,10 @@ def optimizer_state(model, optimizer) -> dict:
 
 
 def export_state_dict(model) -> dict[str, torch.Tensor]:
-    """``setup.export_state_dict`` of the unsharded model: plain weights named as the base model's,
-    LoRA merged in, on rank 0's CPU ({} on other ranks)."""
-    if not is_sharded(model):
-        return _export_unsharded(model)
-    full = full_state_dict(model)
-    if not full or not hasattr(model, "merge_adapter"):
-        return full
-    return merge_lora(model, full)
-
-
-def merge_lora(peft_model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Base-model weights with the active LoRA adapters merged (W + scaling * B @ A), from the full
-    state dict of ``peft_model`` (keys ``base_model.model.<name>``): what ``merge_adapter`` and
-    ``get_base_model().state_dict()`` give on an unsharded model."""
-    from peft.tuners.lora import Linear as LoraLinear
-
-    prefix = "base_model.model."
-    out = {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in full.items() if "lora_" not in k}
-    for name, m in peft_model.get_base_model().named_modules():
-        if not hasattr(m, "lora_A") or getattr(m, "disable_adapters", False):
-            continue
-        if not isinstance(m, LoraLinear) or any(m.use_dora.get(a, False) for a in m.active_adapters):
-            raise NotImplementedError(f"merging {type(m).__name__} at {name}: only plain LoRA on Linear layers")
-        key = f"{name}.weight"
-        w = out[key].float()
-        for a in m.active_adapters:
-            if a not in m.lora_A:
-                continue
-            A, B = full[f"{prefix}{name}.lora_A.{a}.weight"].float(), full[f"{prefix}{name}.lora_B.{a}.weight"].float()
-            delta = B @ A
-            w = w + (delta.T if m.fan_in_fan_out else delta) * m.scaling[a]
-        out[key] = w.to(out[key].dtype)
-    return out
+    """``engines.weights.export_state_dict``: plain weights named as the base model's, LoRA merged
+    in, on rank 0's CPU ({} on other ranks; every rank takes part in gathering a sharded model)."""
+    reshard(model)
+    return _export(model, keep=current().is_main)
 
 
 class NullPublisher:

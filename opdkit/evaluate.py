@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from opdkit.config import DataConfig, EvalConfig
 from opdkit.data import Example, encode_prompt
 from opdkit.grading import grade_many
-from opdkit.rollout import HFEngine, sample_seed
+from opdkit.engines.hf import HFEngine
+from opdkit.engines.sampling import sample_seed
 from opdkit.stats import clustered_accuracy
 
 

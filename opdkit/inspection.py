@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from opdkit import opd
-from opdkit.rollout import HFEngine, sample_seed
+from opdkit.engines.hf import HFEngine
+from opdkit.engines.sampling import sample_seed
 from opdkit.teacher import completion_hidden, token_logprobs, unwrap
 
 

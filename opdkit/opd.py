@@ -18,7 +18,9 @@ import torch
 
 from opdkit import loss_table, losses
 from opdkit.config import Config
-from opdkit.rollout import Rollout, left_pad, sample_seed
+from opdkit.engines.base import Rollout, left_pad
+from opdkit.engines.sampling import sample_seed
+from opdkit.engines.select import engine_name
 from opdkit.teacher import (AlignmentError, Geometry, build_geometry, check_alignment, completion_hidden,
                             token_logprobs, topk_logprobs, unwrap)
 
@@ -66,7 +68,7 @@ def student_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
 def check_precision(cfg: Config, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The lower precision of the scorer (``compute_dtype``) and the sampler: on CUDA the static
     decoder (``rollout.static_cache``) and vLLM sample with bf16 weights whatever the compute dtype."""
-    bf16_sampler = device.type == "cuda" and (cfg.rollout.engine == "vllm" or cfg.rollout.static_cache)
+    bf16_sampler = device.type == "cuda" and (engine_name(cfg, device) == "vllm" or cfg.rollout.static_cache)
     return torch.bfloat16 if bf16_sampler else compute_dtype
 
 

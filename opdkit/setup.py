@@ -19,8 +19,10 @@ import torch
 from opdkit import loss_table, paths
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt, fingerprint, load_examples
+from opdkit.engines.weights import export_state_dict as _merged_state_dict
 from opdkit.models import (check_model_dir, check_same_vocab, compute_dtype, load_model, load_tokenizer,
                            pick_device, setup_torch)
+from opdkit.sharding import reshard
 
 
 class RunError(ValueError):
@@ -172,8 +174,6 @@ def check_same_tokenization(student_tok, teacher_tok, ex: Example) -> None:
 
 @torch.no_grad()
 def update_ema(ema: torch.nn.Module, student: torch.nn.Module, decay: float) -> None:
-    from opdkit.distributed import reshard
-
     for m in (ema, student):  # FSDP2 (torchrun): pair the two models' shards, not gathered copies
         reshard(m)
     for pe, ps in zip(ema.parameters(), student.parameters()):
@@ -182,18 +182,7 @@ def update_ema(ema: torch.nn.Module, student: torch.nn.Module, decay: float) -> 
 
 def export_state_dict(student) -> dict[str, torch.Tensor]:
     """A CPU copy of the plain (LoRA-merged) model weights, named as the base model's."""
-    if not hasattr(student, "merge_adapter"):
-        return {k: v.detach().to("cpu", copy=True) for k, v in student.state_dict().items()}
-    student.merge_adapter()
-    try:
-        out = {}
-        for k, v in student.get_base_model().state_dict().items():
-            if "lora_" in k:
-                continue
-            out[k.replace(".base_layer.", ".")] = v.detach().to("cpu", copy=True)
-        return out
-    finally:
-        student.unmerge_adapter()
+    return _merged_state_dict(student)
 
 
 def trainable_state(student) -> dict[str, torch.Tensor]:

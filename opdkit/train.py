@@ -60,7 +60,8 @@ from opdkit.fsutil import (OutputLock, atomic_write_bytes, atomic_write_json, at
                            explain_storage_errors, retry_io)
 from opdkit.publish import Publisher
 from opdkit.weights_io import export_dtype, parse_size
-from opdkit.rollout import make_engine
+from opdkit.engines.base import left_pad
+from opdkit.engines.select import make_engine
 from opdkit.schedules import lr_at, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
 
@@ -360,9 +361,9 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         metrics_f = (out / METRICS_FILE).open("a")
     else:
         publisher, metrics_f = distributed.NullPublisher(), open(os.devnull, "w")
-    engine = distributed.wrap_engine(make_engine(cfg, run.student, run.tokenizer), run.student)
+    engine = make_engine(cfg, run.student, run.tokenizer)
     # the sft control samples from the teacher: its engine is built once, not every step
-    teacher_engine = (distributed.wrap_engine(make_engine(cfg, run.teacher, run.tokenizer), run.teacher)
+    teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
                       if loss_table.samples_from(cfg.loss) == "teacher" else None)
     engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
@@ -416,8 +417,6 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if cfg.teacher.source == "model":
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
             else:  # privileged: the teacher's prompt also holds the reference solution
-                from opdkit.rollout import left_pad
-
                 priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
             batch = opd.Batch(rollout, t_ids, t_mask)

@@ -13,7 +13,8 @@ from opdkit import opd, paths
 from opdkit.config import Config, replace
 from opdkit.data import encode_prompt, load_examples
 from opdkit.models import load_model, load_tokenizer
-from opdkit.rollout import HFEngine, Rollout, left_pad
+from opdkit.engines.base import Rollout, left_pad
+from opdkit.engines.hf import HFEngine
 from opdkit.teacher import AlignmentError
 
 CFG = replace(Config(), "runtime.threads=1")

@@ -1,12 +1,14 @@
-"""The static-cache decoder (opdkit.decode) against HF generate, eagerly on the CPU (the GPU
+"""The static-cache decoder (opdkit.engines.static) against HF generate, eagerly on the CPU (the GPU
 tests in test_gpu.py check CUDA-graph replay against this eager path)."""
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from opdkit.decode import StaticDecoder, inference_copy
-from opdkit.rollout import HFEngine, left_pad, perturbed_logits, sample_seed, uniform_noise
+from opdkit.engines.static import StaticDecoder, inference_copy
+from opdkit.engines.base import left_pad
+from opdkit.engines.hf import HFEngine
+from opdkit.engines.sampling import perturbed_logits, sample_seed, uniform_noise
 
 PROMPTS = ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]
 

@@ -17,7 +17,7 @@ def _small(vocab, arch="qwen2", layers=2, seed=0, dtype=torch.float32, **kw):
 
 
 def test_noise_is_the_same_on_cpu_and_gpu():
-    from opdkit.rollout import uniform_noise
+    from opdkit.engines.sampling import uniform_noise
 
     seeds = torch.tensor([0, 1, 2**62 + 12345, 7])
     for t in (0, 5, 4096):
@@ -26,8 +26,8 @@ def test_noise_is_the_same_on_cpu_and_gpu():
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_graph_replay_equals_eager_decoding(tok, arch):
-    from opdkit.decode import StaticDecoder
-    from opdkit.rollout import left_pad
+    from opdkit.engines.static import StaticDecoder
+    from opdkit.engines.base import left_pad
 
     model = _small(len(tok), arch, dtype=torch.bfloat16)
     prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]]
@@ -41,8 +41,8 @@ def test_graph_replay_equals_eager_decoding(tok, arch):
 
 
 def test_fused_graph_decoding_matches_the_modules_forward_in_fp32(tok):
-    from opdkit.decode import StaticDecoder
-    from opdkit.rollout import left_pad
+    from opdkit.engines.static import StaticDecoder
+    from opdkit.engines.base import left_pad
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _small(len(tok), "qwen3")
@@ -60,8 +60,9 @@ def test_fused_graph_decoding_matches_the_modules_forward_in_fp32(tok):
 def test_static_decoder_matches_generate_in_fp32(tok):
     """Same tokens as HF generate (dynamic cache) when both run in fp32: the cache geometry,
     positions, masks and grouped-query attention of the decoder are right."""
-    from opdkit.decode import StaticDecoder
-    from opdkit.rollout import HFEngine, left_pad
+    from opdkit.engines.static import StaticDecoder
+    from opdkit.engines.base import left_pad
+    from opdkit.engines.hf import HFEngine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _small(len(tok), "qwen2").eval()
@@ -80,7 +81,7 @@ def test_static_decoder_matches_generate_in_fp32(tok):
 def test_lora_policy_is_merged_into_the_inference_copy(tok):
     from peft import LoraConfig, get_peft_model
 
-    from opdkit.decode import inference_copy
+    from opdkit.engines.static import inference_copy
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = get_peft_model(_small(len(tok), "qwen3", tie_word_embeddings=True),
@@ -103,7 +104,7 @@ def test_lora_policy_is_merged_into_the_inference_copy(tok):
 def _step_grads(tok, grad_ckpt: bool):
     from opdkit import opd
     from opdkit.config import config_from_dict
-    from opdkit.rollout import HFEngine
+    from opdkit.engines.hf import HFEngine
 
     cfg = config_from_dict({"loss": {"name": "k1"}, "runtime": {"logprob_chunk": 16, "grad_checkpointing": grad_ckpt}})
     student = _small(len(tok), "qwen2", layers=3, seed=0)

@@ -10,7 +10,7 @@ import torch
 
 from opdkit import loss_table, losses, opd
 from opdkit.config import CHOICES, Config, replace
-from opdkit.rollout import HFEngine
+from opdkit.engines.hf import HFEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 B, T, V, K = 2, 3, 11, 4

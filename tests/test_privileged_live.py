@@ -8,7 +8,8 @@ import torch
 
 from opdkit import opd
 from opdkit.config import Config, replace
-from opdkit.rollout import HFEngine, left_pad
+from opdkit.engines.base import left_pad
+from opdkit.engines.hf import HFEngine
 from opdkit.setup import build_run, load_trainable_state, prepare_inputs
 from opdkit.train import STATE_FILE, train
 

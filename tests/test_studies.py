@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from opdkit import losses
 from opdkit.config import load_config
-from opdkit.rollout import Rollout
+from opdkit.engines.base import Rollout
 from opdkit.studies import (clipped_mass_stats, clipped_mass_study, entry_clip_stats, jsonable, kl_between,
                             left_pad_geometry, padding_offsets, padding_study, reference_geometry,
                             right_pad_geometry, token_kl)

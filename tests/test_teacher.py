@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from opdkit import losses
-from opdkit.rollout import HFEngine, left_pad
+from opdkit.engines.base import left_pad
+from opdkit.engines.hf import HFEngine
 from opdkit.teacher import (AlignmentError, build_geometry, check_alignment, completion_hidden, full_logprobs,
                             score, token_logprobs, topk_logprobs, unwrap)
 

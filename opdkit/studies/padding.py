@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from opdkit import losses
 from opdkit.config import Config
 from opdkit.opd import Batch, alignment_report
-from opdkit.rollout import Rollout
+from opdkit.engines.base import Rollout
 from opdkit.studies.common import (log_floor, new_figure, prepare, row_chunks, study_header,
                                    write_json)
 from opdkit.teacher import AlignmentError, Geometry, build_geometry, check_alignment, full_logprobs, unwrap

@@ -21,7 +21,7 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   of small kernels (each costs microseconds however small), not by the weight reads: this halves
   it against the modules' own forward, which is still used for other architectures.
 
-Sampling is ``rollout.perturbed_logits``, as in the ``generate`` path: a sample depends only on
+Sampling is ``sampling.perturbed_logits``, as in the ``generate`` path: a sample depends only on
 its seed and the logits. Off CUDA (or ``use_graphs=False``) the same steps run eagerly, which is
 how the CPU tests check this path against ``generate``.
 """
@@ -33,7 +33,8 @@ import inspect
 
 import torch
 
-from opdkit.rollout import perturbed_logits
+from opdkit.engines.sampling import perturbed_logits, raw_logprobs
+from opdkit.engines.weights import merged_weights, plain
 
 ATTN_NAME = "opdkit_static"
 
@@ -66,18 +67,13 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTN_NAME, _attention)
 
 
-def _plain(model):
-    """The transformers model under a peft wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def inference_copy(model, dtype: torch.dtype = torch.bfloat16):
     """A frozen ``dtype`` copy of ``model`` (a peft model gives its base architecture), using the
     static-cache attention above; weights are filled by ``sync_weights``."""
     from transformers import AutoModelForCausalLM
 
     _register_attention()
-    base = _plain(model)
+    base = plain(model)
     device = next(base.parameters()).device
     with torch.device(device):
         gen = AutoModelForCausalLM.from_config(copy.deepcopy(base.config), dtype=dtype)
@@ -89,27 +85,14 @@ def inference_copy(model, dtype: torch.dtype = torch.bfloat16):
 
 @torch.no_grad()
 def sync_weights(gen, model) -> None:
-    """Copy ``model``'s weights into ``gen`` (cast to gen's dtype), active LoRA deltas merged in."""
-    base = _plain(model)
-    lora = {name: m for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")}
-    dst = dict(gen.named_parameters())
+    """Copy ``model``'s ``merged_weights`` (LoRA folded in) into ``gen``, cast to gen's dtype."""
+    dst = dict(gen.named_parameters(remove_duplicate=False))
     done = set()
-    for name, p in base.named_parameters():
-        if "lora_" in name:
-            continue
-        key = name.replace(".base_layer.", ".")
+    for key, src in merged_weights(model):
         if key not in dst:
-            raise ValueError(f"inference copy has no parameter {key!r} (from {name!r})")
-        src = p
-        owner = key.rsplit(".", 1)[0]
-        m = lora.get(owner)
-        if m is not None and key.endswith(".weight") and not getattr(m, "merged", False) and not getattr(m, "disable_adapters", False):
-            src = p.float()
-            for a in m.active_adapters:
-                if a in m.lora_A:
-                    src = src + m.get_delta_weight(a).float()
-        if hasattr(src, "full_tensor"):  # a sharded (FSDP2 DTensor) parameter: gather it
-            src = src.full_tensor()
+            if key in dict(gen.named_buffers()):
+                continue  # a persistent buffer: the copy computes its own
+            raise ValueError(f"inference copy has no parameter {key!r}")
         dst[key].copy_(src)
         done.add(key)
     missing = set(dst) - done
@@ -196,8 +179,9 @@ class StaticDecoder:
     """Sampling with a static KV cache on a bf16 copy of the policy (see the module docstring)."""
 
     def __init__(self, model, *, dtype: torch.dtype = torch.bfloat16, bucket: int = 512, use_graphs: bool | None = None,
-                 fused: bool = True):
+                 fused: bool = True, n_vocab: int | None = None):
         self.gen = inference_copy(model, dtype)
+        self.n_vocab = n_vocab  # sample ids < n_vocab only (None: every row of the head)
         self.device = next(self.gen.parameters()).device
         self.bucket = bucket
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
@@ -258,9 +242,9 @@ class StaticDecoder:
                                use_cache=True, **{self.cache_kw: cache}).last_hidden_state
             t_dev = torch.zeros((), dtype=torch.int64, device=dev)  # index of the token being sampled
             raw_B_V = head(h_B_Sp_H[:, -1]).float()
-            tok_B = perturbed_logits(raw_B_V, seeds_B, t_dev, temperature, top_p).argmax(-1)
+            tok_B = perturbed_logits(raw_B_V, seeds_B, t_dev, temperature, top_p, self.n_vocab).argmax(-1)
             out_ids_B_T[:, 0] = tok_B
-            out_logp_B_T[:, 0] = raw_B_V.log_softmax(-1).gather(1, tok_B[:, None])[:, 0]
+            out_logp_B_T[:, 0] = raw_logprobs(raw_B_V, self.n_vocab).gather(1, tok_B[:, None])[:, 0]
             done_B = torch.isin(tok_B, eos_E)
             pos_B = mask_B_Sp.long().sum(1)  # position of token 0 = number of real prompt tokens
             t_dev += 1
@@ -269,8 +253,8 @@ class StaticDecoder:
                 """Feed token t-1 (slot Sp-1+t), sample token t, attending to slots < n; device tensors only."""
                 visible_B_L.index_fill_(1, (t_dev + (Sp - 1)).view(1), True)
                 raw_B_V = self._forward(tok_B, pos_B, visible_B_L[:, None, None, :n], cache)
-                new_B = perturbed_logits(raw_B_V, seeds_B, t_dev, temperature, top_p).argmax(-1)
-                logp_B = raw_B_V.log_softmax(-1).gather(1, new_B[:, None])[:, 0]
+                new_B = perturbed_logits(raw_B_V, seeds_B, t_dev, temperature, top_p, self.n_vocab).argmax(-1)
+                logp_B = raw_logprobs(raw_B_V, self.n_vocab).gather(1, new_B[:, None])[:, 0]
                 out_ids_B_T.index_copy_(1, t_dev.view(1), new_B[:, None])
                 out_logp_B_T.index_copy_(1, t_dev.view(1), logp_B[:, None])
                 done_B.logical_or_(torch.isin(new_B, eos_E))

@@ -1,0 +1,37 @@
+"""``make_engine``: the engine ``rollout.engine`` names (``auto``: vLLM on CUDA where it is
+installed, the HF engine otherwise)."""
+
+from __future__ import annotations
+
+import torch
+
+from opdkit.config import ConfigError
+from opdkit.engines import vllm as vllm_engine
+from opdkit.engines.hf import HFEngine
+from opdkit.engines.sharded import wrap_engine
+
+
+def engine_name(cfg, device: torch.device) -> str:
+    """``hf`` or ``vllm``: ``rollout.engine``, with ``auto`` resolved for ``device``."""
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    return "vllm" if device.type == "cuda" and vllm_engine.available() else "hf"
+
+
+def check_params(cfg, device: torch.device) -> None:
+    """What the engine choice requires of the params (raised before anything is written)."""
+    if engine_name(cfg, device) != "vllm":
+        return
+    if cfg.loss.name == "sft" and cfg.loss.sft_source == "teacher":
+        raise ConfigError("loss.name=sft with loss.sft_source=teacher samples from the teacher, which would need a "
+                          "second colocated vLLM engine: set rollout.engine=hf for this control")
+
+
+def make_engine(cfg, model, tokenizer):
+    """The engine for ``model`` (wrapped for a sharded model; see ``engines.sharded``)."""
+    device = next(model.parameters()).device
+    if engine_name(cfg, device) == "hf":
+        engine = HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=cfg.rollout.batch_size)
+    else:
+        engine = vllm_engine.VLLMEngine(cfg, model, tokenizer)
+    return wrap_engine(engine, model)
