@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from opdkit import loss_table
 from opdkit.config import ConfigError
 from opdkit.engines import vllm as vllm_engine
 from opdkit.engines.hf import HFEngine
@@ -22,7 +23,7 @@ def check_params(cfg, device: torch.device) -> None:
     """What the engine choice requires of the params (raised before anything is written)."""
     if engine_name(cfg, device) != "vllm":
         return
-    if cfg.loss.name == "sft" and cfg.loss.sft_source == "teacher":
+    if loss_table.samples_from(cfg.loss) == "teacher":
         raise ConfigError("loss.name=sft with loss.sft_source=teacher samples from the teacher, which would need a "
                           "second colocated vLLM engine: set rollout.engine=hf for this control")
 
