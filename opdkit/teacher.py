@@ -38,10 +38,47 @@ def build_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, comple
                     prompt_ids_B_Sp.shape[1], completion_ids_B_T.shape[1])
 
 
-def unwrap(model):
-    """(decoder, lm_head) of a causal LM, through a peft wrapper if there is one."""
+class SharedVocabHead(torch.nn.Module):
+    """``lm_head`` restricted to the first ``n`` ids: logits ``(..., n)``, so every log-softmax
+    over them is renormalised over the shared vocabulary and padding rows never count.
+
+    It calls the wrapped head and slices its output (rather than ``F.linear`` on ``weight[:n]``)
+    so that hooks on the head (FSDP2's unshard, peft) run as they do for the plain head.
+    """
+
+    def __init__(self, head: torch.nn.Module, n: int):
+        super().__init__()
+        self.head, self.n = head, n
+
+    def forward(self, h):
+        return self.head(h)[..., : self.n]
+
+
+_SHARED_HEAD = "_opdkit_shared_vocab_head"
+
+
+def output_rows(model) -> int:
+    """Rows of the model's output embedding (its head's vocabulary size, padding included)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model, base.lm_head
+    return base.lm_head.weight.shape[0]
+
+
+def restrict_vocab(model, n: int) -> None:
+    """Score ``model`` over ids ``0..n-1`` only (``unwrap`` returns the restricted head); a no-op
+    when its head has exactly ``n`` rows. Kept on the model, unregistered (not in its state dict)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rows = base.lm_head.weight.shape[0]
+    if n > rows:
+        raise ValueError(f"cannot restrict a head of {rows} rows to {n} ids")
+    object.__setattr__(base, _SHARED_HEAD, SharedVocabHead(base.lm_head, n) if n < rows else None)
+
+
+def unwrap(model):
+    """(decoder, head) of a causal LM, through a peft wrapper if there is one; the head is the
+    ``lm_head``, or its restriction to the shared vocabulary after ``restrict_vocab``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    shared = base.__dict__.get(_SHARED_HEAD)
+    return base.model, shared if shared is not None else base.lm_head
 
 
 def completion_hidden(model, g: Geometry, unpadded: bool = False) -> torch.Tensor:
