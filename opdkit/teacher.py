@@ -112,6 +112,9 @@ def completion_hidden(model, g: Geometry, unpadded: bool = False) -> torch.Tenso
 
 def _chunk_token_logp(head, h_B_C_H, ids_B_C):
     logits_B_C_V = head(h_B_C_H).float()
+    if ids_B_C.numel() and int(ids_B_C.max()) >= logits_B_C_V.shape[-1]:
+        raise ValueError(f"token id {int(ids_B_C.max())} is outside the {logits_B_C_V.shape[-1]:,} ids scored (the "
+                         "tokenizer's): a padding row of the embedding was sampled; samplers must not emit those ids")
     return logits_B_C_V.log_softmax(dim=-1).gather(-1, ids_B_C[..., None])[..., 0]
 
 
