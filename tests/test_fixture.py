@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
-import subprocess
-import sys
 import unicodedata
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
+from opdkit.cli import main as opdkit_main
 from opdkit.data import load_examples, write_rows
 from opdkit.fixture import CHAT_TEMPLATE, make_model, problems
 from opdkit.fixture.qwen_tokenizer import reference_encoder
 from opdkit.models import load_tokenizer
-from procs import env
 from qwen2_fixture import SEED, fixture_dir
 
 
@@ -203,61 +200,60 @@ def _copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
     return dst
 
 
-def _train(tmp: Path, fx: Path, **paths) -> tuple[subprocess.CompletedProcess, Path]:
+def _train(tmp: Path, fx: Path, capsys, **paths) -> tuple[int, str, Path]:
+    """``opdkit train`` (the CLI's entry point, in this process): exit status, last stderr line, OUT."""
     out = tmp / "out"
     args = {"student.path": fx / "student", "teacher.path": fx / "teacher", "data.train": fx / "data" / "train.parquet",
             **paths}
-    cmd = [sys.executable, "-m", "opdkit", "train", "--out", str(out), "-p", "none", "-S", "data.chat_template=true",
-           "-S", "budget.max_steps=1"] + [x for k, v in args.items() for x in ("-S", f"{k}={v}")]
-    return subprocess.run(cmd, env=env(), text=True, capture_output=True, timeout=300), out
+    capsys.readouterr()
+    rc = opdkit_main(["train", "--out", str(out), "-p", "none", "-S", "data.chat_template=true", "-S", "budget.max_steps=1",
+                      *[x for k, v in args.items() for x in ("-S", f"{k}={v}")]])
+    err = capsys.readouterr().err.strip().splitlines()
+    return rc, err[-1] if err else "", out
 
 
-def test_teacher_tokenizer_that_differs_beyond_padding_rows_is_refused(fx, tmp_path):
+def test_teacher_tokenizer_that_differs_beyond_padding_rows_is_refused(fx, tmp_path, capsys):
     teacher = _copy_model(fx / "teacher", tmp_path / "teacher", skip=("tokenizer.json",))
     tj = json.loads((fx / "teacher" / "tokenizer.json").read_text())
     vocab = tj["model"]["vocab"]
     a, b = "Ġthe", "Ġand"  # two ordinary tokens swap ids: same size, same specials, different vocabulary
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (teacher / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
-    proc, out = _train(tmp_path, fx, **{"teacher.path": teacher})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    line = proc.stderr.strip().splitlines()[-1]
+    rc, line, out = _train(tmp_path, fx, capsys, **{"teacher.path": teacher})
+    assert rc == 2, line
     assert "teacher and student tokenizers disagree" in line and str(teacher) in line and "token id" in line
     assert not out.exists()
 
 
-def test_teacher_with_fewer_rows_than_the_tokenizers_ids_is_refused(fx, tmp_path):
+def test_teacher_with_fewer_rows_than_the_tokenizers_ids_is_refused(fx, tmp_path, capsys):
     teacher = _copy_model(fx / "teacher", tmp_path / "teacher", skip=("config.json",))
     cfg = _config(fx / "teacher", "config.json")
     cfg["vocab_size"] = 151643  # the base ranks only: no rows for the special tokens
     (teacher / "config.json").write_text(json.dumps(cfg))
-    proc, out = _train(tmp_path, fx, **{"teacher.path": teacher})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    line = proc.stderr.strip().splitlines()[-1]
+    rc, line, out = _train(tmp_path, fx, capsys, **{"teacher.path": teacher})
+    assert rc == 2, line
     assert f"teacher model directory {teacher}" in line and "151,643 rows" in line and "0..151,664" in line
     assert not out.exists()
 
 
-def test_missing_chat_template_with_data_chat_template_is_refused(fx, tmp_path):
+def test_missing_chat_template_with_data_chat_template_is_refused(fx, tmp_path, capsys):
     student = _copy_model(fx / "student", tmp_path / "student", skip=("tokenizer_config.json",))
     tc = _config(fx / "student", "tokenizer_config.json")
     del tc["chat_template"]
     (student / "tokenizer_config.json").write_text(json.dumps(tc))
-    proc, out = _train(tmp_path, fx, **{"student.path": student})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    line = proc.stderr.strip().splitlines()[-1]
+    rc, line, out = _train(tmp_path, fx, capsys, **{"student.path": student})
+    assert rc == 2, line
     assert f"student model directory {student}" in line and "no chat template" in line
     assert "data.chat_template=false" in line
     assert not out.exists()
 
 
-def test_parquet_row_in_no_known_shape_is_refused(fx, tmp_path):
+def test_parquet_row_in_no_known_shape_is_refused(fx, tmp_path, capsys):
     bad = tmp_path / "mixed.parquet"
     rows = [{"question": "What is $1+1$?", "final_answer": "2"}]  # neither prompt nor problem
     write_rows(rows, bad)
-    proc, out = _train(tmp_path, fx, **{"data.train": bad})
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    line = proc.stderr.strip().splitlines()[-1]
+    rc, line, out = _train(tmp_path, fx, capsys, **{"data.train": bad})
+    assert rc == 2, line
     assert f"data file {bad}, row 0 is in none of the known row shapes" in line
     assert "'prompt'" in line and "'problem'" in line and "['final_answer', 'question']" in line
     assert not out.exists()
