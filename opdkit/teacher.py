@@ -39,28 +39,23 @@ def build_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, comple
 
 
 class SharedVocabHead(torch.nn.Module):
-    """``lm_head`` restricted to the first ``n`` ids: logits ``(..., n)``, so every log-softmax
-    over them is renormalised over the shared vocabulary and padding rows never count.
+    """A model's ``lm_head`` restricted to the first ``n`` ids: logits ``(..., n)``, so every
+    log-softmax over them is renormalised over the shared vocabulary and padding rows never count.
 
-    It calls the wrapped head and slices its output (rather than ``F.linear`` on ``weight[:n]``)
-    so that hooks on the head (FSDP2's unshard, peft) run as they do for the plain head.
+    It calls the model's current head (looked up at each call, so a head that LoRA wrapped later
+    is the one used) and slices its output, rather than ``F.linear`` on ``weight[:n]``, so that
+    hooks on the head (FSDP2's unshard, peft) run as they do for the plain head.
     """
 
-    def __init__(self, head: torch.nn.Module, n: int):
+    def __init__(self, base, n: int):
         super().__init__()
-        self.head, self.n = head, n
+        self._base, self.n = [base], n  # in a list: not a registered submodule (no cycle, no state)
 
     def forward(self, h):
-        return self.head(h)[..., : self.n]
+        return self._base[0].lm_head(h)[..., : self.n]
 
 
 _SHARED_HEAD = "_opdkit_shared_vocab_head"
-
-
-def output_rows(model) -> int:
-    """Rows of the model's output embedding (its head's vocabulary size, padding included)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.lm_head.weight.shape[0]
 
 
 def restrict_vocab(model, n: int) -> None:
@@ -70,7 +65,7 @@ def restrict_vocab(model, n: int) -> None:
     rows = base.lm_head.weight.shape[0]
     if n > rows:
         raise ValueError(f"cannot restrict a head of {rows} rows to {n} ids")
-    object.__setattr__(base, _SHARED_HEAD, SharedVocabHead(base.lm_head, n) if n < rows else None)
+    object.__setattr__(base, _SHARED_HEAD, SharedVocabHead(base, n) if n < rows else None)
 
 
 def unwrap(model):
