@@ -252,3 +252,23 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
             torch.testing.assert_close(g_a[k], g_b[k], rtol=1e-4, atol=1e-7, msg=f"{name}: {k}")
         torch.testing.assert_close(head_a[:N_IDS], head_b, rtol=1e-4, atol=1e-7, msg=f"{name}: lm_head")
         assert not head_a[N_IDS:].any(), name  # padding rows take no part
+
+
+def test_a_sampled_padding_id_fails_loudly_at_scoring():
+    """An id past the tokenizer's (a padding row, which a sampler over all rows can emit) has no
+    log-prob over the shared vocabulary: scoring says so instead of indexing past the logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from opdkit.teacher import restrict_vocab, token_logprobs, unwrap
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    restrict_vocab(model, 40)
+    _, head = unwrap(model)
+    h_B_T_H = torch.randn(1, 3, 16)
+    logp_B_T = token_logprobs(head, h_B_T_H, torch.tensor([[1, 39, 7]]), chunk=2)
+    ref_B_T = (h_B_T_H @ model.lm_head.weight[:40].T).log_softmax(-1).gather(-1, torch.tensor([[[1], [39], [7]]]))[..., 0]
+    torch.testing.assert_close(logp_B_T, ref_B_T.detach())
+    with pytest.raises(ValueError, match="token id 45 is outside the 40 ids scored"):
+        token_logprobs(head, h_B_T_H, torch.tensor([[1, 45, 7]]), chunk=2)
