@@ -67,6 +67,15 @@ def cmd_embedded(args) -> int:
     return 0
 
 
+def cmd_fixture(args) -> int:
+    from opdkit.fixture import build_qwen2
+
+    made = build_qwen2(Path(args.out), seed=args.seed)
+    print(f"wrote the {args.kind} fixture to {args.out} (student/, teacher/, data/train.parquet, data/eval.parquet, "
+          f"manifest.json) in {made['build_seconds']}s")
+    return 0
+
+
 def cmd_eval(args) -> int:
     import torch
 
@@ -236,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params(p)
     p.set_defaults(fn=cmd_embedded)
 
+    p = sub.add_parser("fixture", help="write the real-scale test fixture: a tiny qwen2 pair with the real Qwen2.5 "
+                       "tokenizer, chat template and generation configs, and DAPO / MATH-500-shaped data")
+    p.add_argument("kind", choices=["qwen2"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0, help="the models' random weights (default 0)")
+    p.set_defaults(fn=cmd_fixture)
+
     p = sub.add_parser("eval", help="sample and grade a model; writes the eval JSON + per-sample jsonl")
     p.add_argument("--model", required=True)
     p.add_argument("--data", default=None, help="parquet/jsonl (default: data.eval)")
@@ -286,11 +302,12 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from opdkit.config import ConfigError
     from opdkit.data import DataError
     from opdkit.embedded import MissingAsset
+    from opdkit.fixture.qwen_tokenizer import TokenizerSourceError
     from opdkit.fsutil import LockHeld
     from opdkit.models import ModelError
     from opdkit.setup import RunError
 
-    return LockHeld, ConfigError, DataError, ModelError, RunError, MissingAsset
+    return LockHeld, ConfigError, DataError, ModelError, RunError, MissingAsset, TokenizerSourceError
 
 
 def _publish_error() -> type[BaseException]:

@@ -6,8 +6,8 @@ Accepted row shapes (detected per row):
 - DAPO-Math style: ``prompt`` as a list of chat messages ``{role, content}`` (the user message
   carries DAPO's "Answer:" instruction around the problem); the ground truth in
   ``reward_model.ground_truth`` (or ``answer``); optional ``data_source``, ``extra_info.index``.
-- OpenThoughts style: ``problem``, ``solution``; ``answer`` optional (else the last ``\\boxed{}``
-  of the solution); optional ``source``, ``uuid``.
+- MATH-500 / OpenThoughts style: ``problem``, ``solution``; ``answer`` optional (else the last
+  ``\\boxed{}`` of the solution); optional ``source``, ``uuid`` / ``unique_id``.
 
 Every row becomes an ``Example``; a bad row fails with ``DataError`` naming the file, the row and
 what was expected. ``select`` applies ``data.filters`` (integer answers, minimum reference-solution
@@ -133,7 +133,8 @@ def _answer_text(value, where: str) -> str | None:
 def normalize_row(row: dict, index: int, path: str) -> Example:
     where = f"data file {path}, row {index}"
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
-    rid = next((str(v) for v in (row.get("id"), row.get("uuid"), extra.get("index")) if v not in (None, "")), str(index))
+    rid = next((str(v) for v in (row.get("id"), row.get("uuid"), row.get("unique_id"), extra.get("index"))
+                if v not in (None, "")), str(index))
     source = str(row.get("data_source") or row.get("source") or "")
     if "problem" in row and "prompt" not in row:  # OpenThoughts style
         if not isinstance(row["problem"], str) or not row["problem"].strip():
@@ -144,8 +145,9 @@ def normalize_row(row: dict, index: int, path: str) -> Example:
             raise DataError(f"{where}: no 'answer' and no \\boxed{{}} answer in 'solution'")
         return Example(rid, row["problem"], answer, solution, source)
     if "prompt" not in row:
-        raise DataError(f"{where}: expected a 'prompt' column (text or chat messages) or a 'problem' column; "
-                        f"found {sorted(row)}")
+        raise DataError(f"{where} is in none of the known row shapes: expected a 'prompt' column (text, or chat "
+                        "messages as in DAPO-Math-17k) or a 'problem' column (MATH-500 / OpenThoughts); "
+                        f"found columns {sorted(row)}")
     prompt = row["prompt"]
     if isinstance(prompt, (list, tuple)):
         if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

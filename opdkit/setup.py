@@ -20,8 +20,8 @@ from opdkit import loss_table, paths
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt, fingerprint, load_examples
 from opdkit.engines.weights import export_state_dict as _merged_state_dict
-from opdkit.models import (check_model_dir, check_same_vocab, compute_dtype, load_model, load_tokenizer,
-                           pick_device, setup_torch)
+from opdkit.models import (check_chat_template, check_model_dir, check_same_vocab, check_vocab_rows, compute_dtype,
+                           config_rows, load_model, load_tokenizer, pick_device, setup_torch, use_shared_vocab)
 from opdkit.sharding import reshard
 
 
@@ -36,6 +36,7 @@ class Inputs:
     train_path: Path
     examples: list[Example]
     data_fingerprint: str
+    tokenizer: object = None  # the student's, checked against the teacher's (None: loaded by build_run)
 
 
 def check_params(cfg: Config) -> None:
@@ -65,7 +66,16 @@ def prepare_inputs(cfg: Config) -> Inputs:
     train = paths.train_data_path(cfg)
     need_solution = cfg.teacher.source != "model" or loss_table.samples_from(cfg.loss) == "reference"
     examples = load_examples(train, cfg.data, require_solution=need_solution)
-    return Inputs(student, teacher, train, examples, fingerprint(examples))
+    if cfg.data.chat_template:  # the student's template renders every prompt (the teacher's too)
+        check_chat_template(student, "student model")
+    tok = load_tokenizer(student)
+    check_vocab_rows(tok, config_rows(student), student, "student model")
+    if teacher is not None:
+        t_tok = load_tokenizer(teacher)
+        check_same_vocab(tok, t_tok, student, teacher)
+        check_same_tokenization(tok, t_tok, examples[0])
+        check_vocab_rows(tok, config_rows(teacher), teacher, "teacher model")
+    return Inputs(student, teacher, train, examples, fingerprint(examples), tok)
 
 
 def code_revision() -> str:
@@ -121,8 +131,10 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.runtime)
     dtype = compute_dtype(cfg.runtime, device)
-    tok = load_tokenizer(inputs.student_path)
+    tok = inputs.tokenizer if inputs.tokenizer is not None else load_tokenizer(inputs.student_path)
     student = load_model(inputs.student_path, device, dtype, "student model", trainable=True)
+    vocab_models = {"student model": (inputs.student_path, student)}
+    use_shared_vocab(tok, vocab_models, log=lambda _: None)  # before LoRA and any copy of the student
     if cfg.runtime.grad_checkpointing:
         student.gradient_checkpointing_enable()
         student.config.use_cache = False
@@ -132,10 +144,12 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
 
     src, ema, ctx = cfg.teacher.source, None, contextlib.nullcontext
     if src == "model":
-        t_tok = load_tokenizer(inputs.teacher_path)
-        check_same_vocab(tok, t_tok)
-        check_same_tokenization(tok, t_tok, inputs.examples[0])
+        if inputs.tokenizer is None:  # prepare_inputs checked them
+            t_tok = load_tokenizer(inputs.teacher_path)
+            check_same_vocab(tok, t_tok, inputs.student_path, inputs.teacher_path)
+            check_same_tokenization(tok, t_tok, inputs.examples[0])
         teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
+        vocab_models["teacher model"] = (inputs.teacher_path, teacher)
     elif src == "privileged_fixed" and cfg.lora.enabled:
         teacher, ctx = student, student.disable_adapter  # the frozen base is the initial student
     elif src in ("privileged_fixed", "privileged_ema"):
@@ -144,6 +158,7 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     else:  # privileged_live: the current student itself (adapters on with LoRA), under no_grad
         teacher = student
 
+    use_shared_vocab(tok, vocab_models, log)  # checks the teacher's rows too, and says what was done
     opt = make_optimizer(cfg, student, device)
     n_train = sum(p.numel() for p in student.parameters() if p.requires_grad)
     log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "

@@ -38,10 +38,42 @@ def build_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, comple
                     prompt_ids_B_Sp.shape[1], completion_ids_B_T.shape[1])
 
 
-def unwrap(model):
-    """(decoder, lm_head) of a causal LM, through a peft wrapper if there is one."""
+class SharedVocabHead(torch.nn.Module):
+    """A model's ``lm_head`` restricted to the first ``n`` ids: logits ``(..., n)``, so every
+    log-softmax over them is renormalised over the shared vocabulary and padding rows never count.
+
+    It calls the model's current head (looked up at each call, so a head that LoRA wrapped later
+    is the one used) and slices its output, rather than ``F.linear`` on ``weight[:n]``, so that
+    hooks on the head (FSDP2's unshard, peft) run as they do for the plain head.
+    """
+
+    def __init__(self, base, n: int):
+        super().__init__()
+        self._base, self.n = [base], n  # in a list: not a registered submodule (no cycle, no state)
+
+    def forward(self, h):
+        return self._base[0].lm_head(h)[..., : self.n]
+
+
+_SHARED_HEAD = "_opdkit_shared_vocab_head"
+
+
+def restrict_vocab(model, n: int) -> None:
+    """Score ``model`` over ids ``0..n-1`` only (``unwrap`` returns the restricted head); a no-op
+    when its head has exactly ``n`` rows. Kept on the model, unregistered (not in its state dict)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model, base.lm_head
+    rows = base.lm_head.weight.shape[0]
+    if n > rows:
+        raise ValueError(f"cannot restrict a head of {rows} rows to {n} ids")
+    object.__setattr__(base, _SHARED_HEAD, SharedVocabHead(base, n) if n < rows else None)
+
+
+def unwrap(model):
+    """(decoder, head) of a causal LM, through a peft wrapper if there is one; the head is the
+    ``lm_head``, or its restriction to the shared vocabulary after ``restrict_vocab``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    shared = base.__dict__.get(_SHARED_HEAD)
+    return base.model, shared if shared is not None else base.lm_head
 
 
 def completion_hidden(model, g: Geometry, unpadded: bool = False) -> torch.Tensor:
@@ -75,6 +107,9 @@ def completion_hidden(model, g: Geometry, unpadded: bool = False) -> torch.Tenso
 
 def _chunk_token_logp(head, h_B_C_H, ids_B_C):
     logits_B_C_V = head(h_B_C_H).float()
+    if ids_B_C.numel() and int(ids_B_C.max()) >= logits_B_C_V.shape[-1]:
+        raise ValueError(f"token id {int(ids_B_C.max())} is outside the {logits_B_C_V.shape[-1]:,} ids scored (the "
+                         "tokenizer's): a padding row of the embedding was sampled; samplers must not emit those ids")
     return logits_B_C_V.log_softmax(dim=-1).gather(-1, ids_B_C[..., None])[..., 0]
 
 

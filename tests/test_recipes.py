@@ -59,7 +59,9 @@ def test_cli_selects_a_recipe_with_one_option(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     base = [sys.executable, "-m", "opdkit", "train", "--check", "--out", str(tmp_path / "o")]
-    ok = subprocess.run(base + ["-r", str(root / "recipes" / "s1.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    # S1 renders prompts with a chat template, which the embedded default's tokenizer lacks (--check says so)
+    ok = subprocess.run(base + ["-r", str(root / "recipes" / "s1.yaml"), "-S", "data.chat_template=false"],
+                        capture_output=True, text=True, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run(base + ["-r", str(root / "recipes" / "nope.yaml")], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "nope.yaml does not exist" in bad.stderr

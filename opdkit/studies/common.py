@@ -21,7 +21,7 @@ import torch
 from opdkit import paths
 from opdkit.config import Config, to_dict
 from opdkit.data import encode_prompt, load_examples
-from opdkit.models import check_same_vocab, load_model, load_tokenizer, pick_device, setup_torch
+from opdkit.models import check_same_vocab, load_model, load_tokenizer, pick_device, setup_torch, use_shared_vocab
 from opdkit.engines.base import Rollout
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
@@ -53,9 +53,11 @@ def prepare(cfg: Config, progress: bool = True) -> StudySetup:
     device = pick_device(cfg.runtime)
     s_path, t_path, d_path = paths.student_path(cfg), paths.teacher_path(cfg), paths.eval_data_path(cfg)
     tok = load_tokenizer(s_path)
-    check_same_vocab(tok, load_tokenizer(t_path))
+    check_same_vocab(tok, load_tokenizer(t_path), s_path, t_path)
     student = load_model(s_path, device, torch.float32, "student model")
     teacher = load_model(t_path, device, torch.float32, "teacher model")
+    use_shared_vocab(tok, {"student model": (s_path, student), "teacher model": (t_path, teacher)},
+                     log=print if progress else (lambda _: None))
     examples = load_examples(d_path, cfg.data)[: cfg.studies.n_prompts]
     prompts = [encode_prompt(ex, tok, cfg.data) for ex in examples]
     G = cfg.studies.samples_per_prompt
