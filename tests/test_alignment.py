@@ -139,7 +139,9 @@ def test_tolerance_follows_the_compute_dtype():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # the CUDA samplers hold bf16 weights
     assert opd.check_precision(cfg, torch.float32, cpu) == torch.float32
     assert opd.check_precision(cfg, torch.float32, cuda) == torch.bfloat16
-    assert opd.check_precision(replace(cfg, "rollout.static_cache=false"), torch.float32, cuda) == torch.float32
+    hf_dynamic = replace(cfg, "rollout.engine=hf", "rollout.static_cache=false")  # model.generate in fp32
+    assert opd.check_precision(hf_dynamic, torch.float32, cuda) == torch.float32
+    assert opd.check_precision(replace(hf_dynamic, "rollout.engine=vllm"), torch.float32, cuda) == torch.bfloat16
     assert opd.check_precision(cfg, torch.bfloat16, cpu) == torch.bfloat16
 
 
@@ -153,7 +155,8 @@ def test_opdkit_train_exits_non_zero_with_the_reason(tmp_path, monkeypatch, caps
     out = tmp_path / "run"
     rc = cli.main(["train", "--out", str(out), "-p", "none", "--quiet", "-S", "loss.name=k1", "-S",
                    "budget.max_steps=2", "-S", "budget.max_wall_time_s=0", "-S", "optim.schedule=constant",
-                   "-S", "rollout.prompts_per_step=2", "-S", "rollout.samples_per_prompt=1", "-S", "runtime.threads=1"])
+                   "-S", "rollout.prompts_per_step=2", "-S", "rollout.samples_per_prompt=1", "-S", "runtime.threads=1",
+                   "-S", "runtime.device=cpu", "-S", "rollout.engine=hf"])  # the same on a CUDA machine with vLLM
     err = capsys.readouterr().err
     assert rc == 1 and "alignment check failed on the first batch" in err
     assert json.loads((out / "run.json").read_text())["status"] == "failed"
