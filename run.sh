@@ -56,7 +56,8 @@ if ((NPROC > 1)); then
     check_status=0
     "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
     if ((check_status != 0)); then exit "$check_status"; fi
-    cmd=(torchrun --nproc-per-node "$NPROC" -m opdkit "${args[@]}")
+    # --standalone: a rendezvous on a free local port, so two runs on one machine do not collide on 29500
+    cmd=(torchrun --standalone --nproc-per-node "$NPROC" -m opdkit "${args[@]}")
 else
     cmd=("$PYTHON" -m opdkit "${args[@]}")
 fi

@@ -77,20 +77,17 @@ def cmd_fixture(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import torch
-
     from opdkit import paths
     from opdkit.data import load_examples
     from opdkit.evaluate import evaluate, write_eval
-    from opdkit.models import load_model, load_tokenizer, pick_device, setup_torch
+    from opdkit.models import compute_dtype, load_model, load_tokenizer, pick_device, setup_torch
 
     cfg = _config(args)
     setup_torch(cfg.runtime)
     data_path = Path(args.data) if args.data else paths.eval_data_path(cfg)
     examples = load_examples(data_path, cfg.data)
     device = pick_device(cfg.runtime)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = load_model(args.model, device, dtype)
+    model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
     tok = load_tokenizer(args.model)
     summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet)
     summary.update(model=str(args.model), data=str(data_path), eval_params={

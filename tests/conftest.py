@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from opdkit.embedded.tokenizer import build_tokenizer
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per CPU (pyproject's -n auto): one thread each,
+    torch.set_num_threads(1)  # and idle OpenMP threads that sleep instead of spinning
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")

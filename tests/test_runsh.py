@@ -125,7 +125,7 @@ def test_run_sh_launches_torchrun_with_nproc_after_a_preflight_and_propagates_it
     proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(out), NPROC="2", PATH=path)
     assert proc.returncode == 4
     argv = (tmp_path / "torchrun.args").read_text().splitlines()
-    assert argv == ["--nproc-per-node", "2", "-m", "opdkit", "train", "--out", str(out), "-p", "none", "-S", "budget.max_steps=2"]
+    assert argv == ["--standalone", "--nproc-per-node", "2", "-m", "opdkit", "train", "--out", str(out), "-p", "none", "-S", "budget.max_steps=2"]
     assert "run.sh: training failed (exit 4)" in proc.stderr and "no checkpoint survives" in proc.stderr
     assert not out.exists()  # the preflight (`opdkit train --check`) writes nothing
 

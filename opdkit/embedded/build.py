@@ -1,11 +1,13 @@
 """Build the embedded default from scratch: task parquet, tokenizer, teacher and student.
 
 The teacher learns the task by supervised next-token training on reference solutions. The
-student (same Llama shape) starts from the teacher's run part-way
-(``student_base_steps``: it knows the format and most of the arithmetic) and is then fine-tuned
-on solutions whose additions drop every carry: a systematic error the teacher can correct on the
-student's own samples, as in real OPD. Step counts are fixed, so the same seed gives the same
-files whatever else the machine is doing.
+student is either the teacher's shape, started from the teacher's run part-way (``student_init:
+teacher_run`` at ``student_base_steps``: it knows the format and most of the arithmetic), or a smaller
+Llama (``student_hidden_size`` ..., a capacity gap) trained from scratch on reference solutions for
+``student_base_steps`` (``student_init: scratch``). Either is then fine-tuned for
+``student_carry_steps`` on solutions whose additions drop every carry: a systematic error the teacher
+can correct on the student's own samples, as in real OPD (0 steps: no planted error). Step counts are
+fixed, so the same seed gives the same files whatever else the machine is doing.
 
 Bit-identical, though, only under the same floating-point kernels: the data files depend on Python's
 ``random`` alone and rebuild identically anywhere, while the weights depend on the torch build and the
@@ -31,10 +33,39 @@ from opdkit.embedded import task
 from opdkit.embedded.tokenizer import build_tokenizer
 
 
-def _arch_kwargs(e: EmbeddedConfig, vocab_size: int, tok) -> dict:
+def student_shape(e: EmbeddedConfig) -> dict:
+    """The student's (hidden_size, layers, heads, intermediate_size): each 0 in the config is the teacher's."""
+    return {"hidden_size": e.student_hidden_size or e.hidden_size, "layers": e.student_layers or e.layers,
+            "heads": e.student_heads or e.heads,
+            "intermediate_size": e.student_intermediate_size or e.intermediate_size}
+
+
+def teacher_shape(e: EmbeddedConfig) -> dict:
+    return {"hidden_size": e.hidden_size, "layers": e.layers, "heads": e.heads,
+            "intermediate_size": e.intermediate_size}
+
+
+def check(e: EmbeddedConfig) -> None:
+    """Refuse a build config that cannot be made (before anything is written)."""
+    from opdkit.config import ConfigError
+
+    s = student_shape(e)
+    if e.student_init == "teacher_run" and s != teacher_shape(e):
+        raise ConfigError(f"embedded.student_init=teacher_run needs the teacher's shape, got student {s} vs teacher "
+                          f"{teacher_shape(e)}; set embedded.student_init=scratch for a smaller student")
+    if e.student_init == "teacher_run" and not 0 <= e.student_base_steps <= e.teacher_steps:
+        raise ConfigError(f"embedded.student_base_steps={e.student_base_steps} must be in 0..teacher_steps "
+                          f"({e.teacher_steps}) with student_init=teacher_run")
+    for name, shape in (("teacher", teacher_shape(e)), ("student", s)):
+        if shape["hidden_size"] % shape["heads"]:
+            raise ConfigError(f"embedded: the {name}'s hidden_size {shape['hidden_size']} is not a multiple of its "
+                              f"heads {shape['heads']}")
+
+
+def _arch_kwargs(shape: dict, vocab_size: int, tok) -> dict:
     return dict(
-        vocab_size=vocab_size, hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
-        num_hidden_layers=e.layers, num_attention_heads=e.heads, num_key_value_heads=e.heads,
+        vocab_size=vocab_size, hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["heads"],
         max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=True,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )
@@ -67,7 +98,8 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
 
 def sft_train(model, tok, rows: list[dict], solutions: list[str], *, steps: int, total: int, start: int,
               batch_size: int, lr: float, warmup: int, seed: int, log=print, snapshot_at: int | None = None):
-    """Supervised steps ``start..steps-1`` of a ``total``-step cosine run; optional CPU snapshot."""
+    """Supervised steps ``start..steps-1`` of a ``total``-step cosine run (on the model's device); optional
+    snapshot."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = random.Random(seed)
     order = list(range(len(rows)))
@@ -78,6 +110,7 @@ def sft_train(model, tok, rows: list[dict], solutions: list[str], *, steps: int,
             snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
         idx = rng.sample(order, batch_size)
         batch = sft_batch(tok, [rows[i]["prompt"] for i in idx], [solutions[i] for i in idx])
+        batch = {k: v.to(model.device) for k, v in batch.items()}
         for g in opt.param_groups:
             g["lr"] = _lr(step - start, total, lr, warmup)
         loss = model(**batch).loss
@@ -93,6 +126,7 @@ def sft_train(model, tok, rows: list[dict], solutions: list[str], *, steps: int,
 
 
 def save_model(model, tok, out: Path) -> None:
+    model = model.cpu()
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=64,
@@ -109,8 +143,13 @@ def environment(threads: int) -> dict:
             "machine": platform.machine()}
 
 
-def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
-    """Write ``out/{data,teacher,student}``; returns a description of how they were made."""
+def build(out: Path, e: EmbeddedConfig, log=print, device: str = "cpu") -> dict:
+    """Write ``out/{data,teacher,student}``; returns a description of how they were made.
+
+    ``device``: where the models train. The shipped assets are built on the CPU (``opdkit embedded
+    --rebuild``); a CUDA build (bench/embedded_grid.py's variants) is deterministic on its GPU but differs
+    in its bits from a CPU build."""
+    check(e)
     torch.manual_seed(e.seed)
     torch.set_num_threads(e.threads)  # a fixed thread count: the same float reduction order every time
     torch.use_deterministic_algorithms(True)
@@ -124,30 +163,45 @@ def build(out: Path, e: EmbeddedConfig, log=print) -> dict:
     write_rows(train_rows, out / "data" / "train.parquet")
     write_rows(eval_rows, out / "data" / "eval.parquet")
     tok = build_tokenizer()
+    solutions = [r["solution"] for r in train_rows]
+    from_run = e.student_init == "teacher_run"
 
     log(f"teacher: Llama, {e.teacher_steps} steps on reference solutions")
     torch.manual_seed(e.seed)
-    teacher = LlamaForCausalLM(LlamaConfig(**_arch_kwargs(e, len(tok), tok)))
-    base = sft_train(teacher, tok, train_rows, [r["solution"] for r in train_rows], steps=e.teacher_steps,
+    teacher = LlamaForCausalLM(LlamaConfig(**_arch_kwargs(teacher_shape(e), len(tok), tok))).to(device)
+    base = sft_train(teacher, tok, train_rows, solutions, steps=e.teacher_steps,
                      total=e.teacher_steps, start=0, batch_size=e.batch_size, lr=e.lr, warmup=e.warmup_steps,
-                     seed=e.seed, log=log, snapshot_at=e.student_base_steps)
+                     seed=e.seed, log=log, snapshot_at=e.student_base_steps if from_run else None)
     save_model(teacher, tok, out / "teacher")
 
-    log(f"student: from the teacher run at step {e.student_base_steps}, then {e.student_carry_steps} "
-        "steps on carry-dropped solutions")
-    student = LlamaForCausalLM(LlamaConfig(**_arch_kwargs(e, len(tok), tok)))
-    student.load_state_dict(base)
-    carry = [task.carry_dropped_solution(task.parse_prompt(r["prompt"])) for r in train_rows]
-    sft_train(student, tok, train_rows, carry, steps=e.student_carry_steps, total=e.student_carry_steps,
-              start=0, batch_size=e.batch_size, lr=e.student_lr, warmup=10, seed=e.seed + 1, log=log)
+    shape = student_shape(e)
+    if from_run:
+        log(f"student: from the teacher run at step {e.student_base_steps}")
+        student = LlamaForCausalLM(LlamaConfig(**_arch_kwargs(shape, len(tok), tok))).to(device)
+        student.load_state_dict(base)
+        how = f"of the same shape, initialised from the teacher's run at step {e.student_base_steps}"
+    else:
+        log(f"student: {shape}, {e.student_base_steps} steps from scratch on reference solutions")
+        torch.manual_seed(e.seed + 2)
+        student = LlamaForCausalLM(LlamaConfig(**_arch_kwargs(shape, len(tok), tok))).to(device)
+        sft_train(student, tok, train_rows, solutions, steps=e.student_base_steps, total=e.student_base_steps,
+                  start=0, batch_size=e.batch_size, lr=e.lr, warmup=e.warmup_steps, seed=e.seed + 2, log=log)
+        how = (f"(hidden {shape['hidden_size']}, {shape['layers']} layers, {shape['heads']} heads, intermediate "
+               f"{shape['intermediate_size']}), trained from scratch for {e.student_base_steps} supervised steps "
+               f"on reference solutions (cosine lr {e.lr} -> 0)")
+    if e.student_carry_steps:
+        log(f"student: {e.student_carry_steps} steps on carry-dropped solutions")
+        carry = [task.carry_dropped_solution(task.parse_prompt(r["prompt"])) for r in train_rows]
+        sft_train(student, tok, train_rows, carry, steps=e.student_carry_steps, total=e.student_carry_steps,
+                  start=0, batch_size=e.batch_size, lr=e.student_lr, warmup=10, seed=e.seed + 1, log=log)
+        how += (f", then {e.student_carry_steps} supervised steps (lr {e.student_lr}) on solutions whose additions "
+                "drop every carry (47+5=42): a planted systematic error")
     save_model(student, tok, out / "student")
+    n_params = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     return {
         "build_seconds": round(time.time() - t0, 1),
-        "environment": environment(e.threads),
-        "teacher": f"LlamaForCausalLM, {sum(p.numel() for p in teacher.parameters())} parameters, "
+        "environment": environment(e.threads) | ({"device": torch.cuda.get_device_name()} if device != "cpu" else {}),
+        "teacher": f"LlamaForCausalLM, {n_params(teacher)} parameters, "
                    f"{e.teacher_steps} supervised steps on reference solutions (cosine lr {e.lr} -> 0)",
-        "student": f"LlamaForCausalLM of the same shape, initialised from the teacher's run at step "
-                   f"{e.student_base_steps}, then {e.student_carry_steps} supervised steps "
-                   f"(lr {e.student_lr}) on solutions whose additions drop every carry (47+5=42): a planted "
-                   "systematic error",
+        "student": f"LlamaForCausalLM, {n_params(student)} parameters, {how}",
     }
