@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from opdkit.stats import compare_arms, repeat_stats
 
 SMALL = {"embedded.student_hidden_size": 64, "embedded.student_layers": 2, "embedded.student_heads": 2,
          "embedded.student_intermediate_size": 256, "embedded.student_init": "scratch",
@@ -99,13 +100,6 @@ def train_and_eval(out: Path, name: str, arm: str, seed: int, args) -> None:
          "--tag", f"seed={seed}", *common(args)], dest.with_suffix(".log"))
 
 
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, float("nan")
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
-
-
 def table(out: Path, args) -> dict:
     result = {}
     for name in args.variants:
@@ -120,7 +114,8 @@ def table(out: Path, args) -> dict:
                     accs[seed] = json.loads(f.read_text())
             if not accs:
                 continue
-            m, se = mean_se([a["accuracy"] for a in accs.values()])
+            st = repeat_stats([a["accuracy"] for a in accs.values()])
+            m, se = st["mean"], st["se"]
             curve = {}
             for seed in accs:
                 c = out / name / "curves" / arm / f"seed{seed}" / "curve.json"
@@ -134,9 +129,10 @@ def table(out: Path, args) -> dict:
         if opd and "sft_teacher" in v["arms"]:
             best = max(opd, key=lambda a: v["arms"][a]["mean"])
             a, b = v["arms"][best], v["arms"]["sft_teacher"]
-            se = math.sqrt(a["se_seeds"] ** 2 + b["se_seeds"] ** 2)
-            v["best_opd_vs_sft_teacher"] = {"arm": best, "diff": a["mean"] - b["mean"], "combined_se": se,
-                                            "z": (a["mean"] - b["mean"]) / se if se > 0 else float("nan")}
+            if len(a["accuracy"]) > 1 and len(b["accuracy"]) > 1:  # Welch: se = sqrt(se_a^2 + se_b^2)
+                c = compare_arms(list(a["accuracy"].values()), list(b["accuracy"].values()))
+                v["best_opd_vs_sft_teacher"] = {"arm": best, "diff": c["diff"], "combined_se": c["se"],
+                                                "z": c["diff_in_se"], "welch_p": c["p_value"]}
         result[name] = v
     return result
 
