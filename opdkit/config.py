@@ -197,8 +197,8 @@ class PipelineConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     baseline_arm: str = "rkl"  # the OPD arms are loss.name and this one, each at budget.max_steps
     controls: tuple[ControlArm, ...] = (
-        ControlArm("sft_teacher", "teacher", 117, 30, "wall"),  # provisional calibration (params.yaml says how)
-        ControlArm("sft_reference", "reference", 120, 30, "steps"),
+        ControlArm("sft_teacher", "teacher", 120, 40, "wall"),  # calibrated on the embedded default (params.yaml says how)
+        ControlArm("sft_reference", "reference", 120, 40, "steps"),
     )
 
 
