@@ -11,8 +11,8 @@ timeout "${GRID_TIMEOUT:-540}" python3 bench/embedded_grid.py --out /tmp/grid --
   -S rollout.engine=hf "$@" > "$OUT/grid_log.txt" 2>&1; echo "grid rc=$?" >> "$OUT/grid_log.txt"
 python3 bench/embedded_grid.py --out /tmp/grid --table-only "$@" > "$OUT/grid_table.txt" 2>&1
 cp /tmp/grid/grid.json "$OUT/" 2>/dev/null
-(cd /tmp/grid && find . -name '*.log' -newer grid.json -size +0 | head -0; tar -czf "$OUT/grid_json.tgz" $(find . -name '*.json' -path '*eval*' -o -name 'curve.json' -o -name manifest.json -o -name 'train.jsonl' | grep -v checkpoint)) 2>/dev/null
-tail -3 /tmp/grid/*/build.log > "$OUT/build_tail.txt" 2>&1
+(cd /tmp/grid && tar -czf "$OUT/grid_json.tgz" $(find . -name '*.json' -path '*eval*' -o -name 'curve.json' -o -name manifest.json -o -name 'train.jsonl' | grep -v checkpoint)) 2>/dev/null
+tail -n 3 /tmp/grid/*/build.log > "$OUT/build_tail.txt" 2>&1
 for f in $(find /tmp/grid -name '*.log' | head -400); do if grep -q -i "error\|traceback" "$f"; then echo "== $f"; tail -5 "$f"; fi; done > "$OUT/errors.txt" 2>&1
 nvidia-smi --query-gpu=memory.used --format=csv >> "$OUT/grid_log.txt"
 cat "$OUT/grid_table.txt" | tail -60
