@@ -70,7 +70,7 @@ METRICS_FILE = "metrics/train.jsonl"
 RUN_FILE = "run.json"
 # Params sections that may change between the starts of one run; any other change would splice
 # two different runs together. Paths may change too (files move), the data fingerprint may not.
-RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "pipeline", "embedded")
+RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded")
 PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
 LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
 
@@ -297,6 +297,8 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
     if not world.is_main:  # rank 0 alone logs and writes the output directory
         log, progress = (lambda *args, **kwargs: None), False
     inputs = preflight(cfg, out)
+    for w in inputs.warnings:  # the pair checks' WARN lines (opdkit doctor shows every check)
+        log(f"warning: {w.check}: {w.detail}")
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     at = guards.StepProgress()  # which step and phase runs (for an out-of-memory message)
