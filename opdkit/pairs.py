@@ -35,6 +35,7 @@ from opdkit.config import Config
 from opdkit.data import DataError, Example, fingerprint, load_examples
 from opdkit.engines.base import pad_and_eos
 from opdkit.models import ModelError, check_model_dir, config_rows, load_tokenizer, model_rows, tokenizer_ids
+from opdkit.teacher import restrict_vocab
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 # generation_config.json keys that change what generate() / vLLM's defaults sample, with their neutral values.
@@ -155,7 +156,13 @@ def check_inputs(cfg: Config, strict: bool) -> tuple[Inputs | None, list[Finding
 
 def model_dir(path: Path, what: str):
     p = check_model_dir(path, what)
-    cfg = json.loads((p / "config.json").read_text())
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise PairError(f"{what} directory {p}: config.json is not valid JSON ({e})",
+                        "re-export the model with save_pretrained") from None
+    if not isinstance(cfg, dict):
+        raise PairError(f"{what} directory {p}: config.json is not a JSON object", "re-export the model with save_pretrained")
     arch = ", ".join(cfg.get("architectures") or [cfg.get("model_type", "?")])
     return p, [Finding(what, OK, f"{p} ({arch})")]
 
@@ -276,8 +283,6 @@ def use_shared_vocab(tok, models: dict[str, tuple[str | Path, torch.nn.Module]],
     """Check each loaded model's rows against the tokenizer, then score every model over the shared
     vocabulary (the tokenizer's ids; padding rows excluded, log-probs renormalised over it) and
     say so. ``models``: what -> (directory, model), before any LoRA wrapping. Returns n."""
-    from opdkit.teacher import restrict_vocab
-
     n = tokenizer_ids(tok)
     rows = {what: check_vocab_rows(tok, model_rows(model), path, what) for what, (path, model) in models.items()}
     for _, model in models.values():
