@@ -109,10 +109,10 @@ def train_cmd(args) -> list[str]:
             f"publish.every_steps={args.steps}", "publish.keep=1"]
     if args.recipe == "s1":
         sets.append(f"teacher.path={pair / 'teacher'}")
-    if args.tiny:
-        sets += ["runtime.device=cpu", "runtime.threads=1", "rollout.max_new_tokens=6", "rollout.engine=hf",
-                 "runtime.logprob_chunk=4"]
     sets += args.set
+    if args.tiny:  # last: the CPU dry run wins over the lane's engine and lengths
+        sets += ["runtime.device=cpu", "runtime.threads=1", "rollout.max_new_tokens=6", "rollout.engine=hf",
+                 "runtime.logprob_chunk=4", "rollout.prompts_per_step=2", "optim.micro_batch=0"]
     return [sys.executable, "-m", "opdkit", "train", "--out", str(Path(args.root) / "runs" / args.name), "-p", "none",
             "-r", str(ROOT / "recipes" / f"{args.recipe}.yaml"), "--quiet", *(x for s in sets for x in ("-S", s))]
 

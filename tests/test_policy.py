@@ -344,3 +344,13 @@ def test_engines_record_log_pi_on_the_real_scale_fixture(tmp_path_factory):
     msgs = [[{"role": "user", "content": "What is 7 * 8?"}], [{"role": "user", "content": r"Solve $x^2 = 4$."}]]
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in msgs]
     _check_engines_record_log_pi(model, tok, prompts, len(tok), T=6)
+
+
+def test_a_top_p_outside_0_1_is_refused_before_anything_is_written():
+    from opdkit.config import ConfigError, load_config
+    from opdkit.engines.select import check_params
+
+    for bad in ("0", "-0.5", "1.5"):
+        with pytest.raises(ConfigError, match="rollout.top_p"):
+            check_params(load_config(None, [f"rollout.top_p={bad}"]), torch.device("cpu"))
+    check_params(load_config(None, ["rollout.top_p=0.95", "rollout.temperature=0.6"]), torch.device("cpu"))
