@@ -113,9 +113,8 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     student = load_model(inputs.student_path, device, dtype, "student model", trainable=True)
     vocab_models = {"student model": (inputs.student_path, student)}
     use_shared_vocab(tok, vocab_models, log=lambda _: None)  # before LoRA and any copy of the student
-    if cfg.runtime.grad_checkpointing:
-        student.gradient_checkpointing_enable()
-        student.config.use_cache = False
+    if cfg.runtime.grad_checkpointing:  # every training forward passes use_cache=False itself: the config
+        student.gradient_checkpointing_enable()  # (published with each checkpoint) stays the source student's
     if cfg.lora.enabled:
         student = _wrap_lora(cfg, student)
     student.train()

@@ -20,7 +20,10 @@ per-sample seeds and RNG continue exactly (an interrupted run ends with the same
 uninterrupted one), metrics lines past the saved step (from a killed attempt) are dropped and new
 ones appended, and the wall-clock budget counts the time already spent, including the steps that
 were lost. Only budgets, publishing, runtime and paths may change between starts; the data must be
-the same (fingerprint). A run that already reached its end returns at once.
+the same (fingerprint). A step-based schedule's horizon (``budget.schedule_steps``, else
+``budget.max_steps``) may not change either: a new ``max_steps`` with ``optim.schedule`` linear or
+cosine is refused unless ``budget.schedule_steps`` keeps the old horizon. A run that already
+reached its end returns at once.
 
 Under ``torchrun`` (``opdkit.distributed``) every rank runs this loop on its share of each step's
 prompts with the student sharded by FSDP2; rank 0 alone holds the lock and writes the directory.
@@ -149,6 +152,13 @@ def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> Non
         changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
         raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
                        "same values or choose another output directory")
+    horizon = (old.get("budget.schedule_steps") or old.get("budget.max_steps"),
+               cfg.budget.schedule_steps or cfg.budget.max_steps)  # (saved, these params')
+    if cfg.optim.schedule in ("linear", "cosine") and horizon[0] is not None and horizon[0] != horizon[1]:
+        raise RunError(f"{out} holds a run (step {state['step']}) whose optim.schedule={cfg.optim.schedule} runs over "
+                       f"{horizon[0]} steps; these params would make it {horizon[1]} and reshape the learning rate from "
+                       f"here on. Keep the horizon with budget.schedule_steps={horizon[0]} (budget.max_steps may then "
+                       "change: steps past the horizon run at optim.min_lr), or choose another output directory")
     if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
         raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
                        "(fingerprints differ); resume it with the same data or choose another output directory")
