@@ -45,7 +45,7 @@ class LossSpec:
 
 
 def _clip_params(L) -> dict:
-    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf}
+    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf, "temperature": L.temperature}
 
 
 LOSSES: dict[str, LossSpec] = {s.name: s for s in (

@@ -122,17 +122,23 @@ def _topk_overlap_B_T(teacher_ids_B_T_k: Tensor, student_ids_B_T_k: Tensor) -> T
 # ----------------------------------------------------------------------------- full-distribution losses
 
 
-def _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens):
-    """Shape checks, fp32 log-softmax of the student, detached teacher with padding set to the student."""
+def _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, temperature=1.0):
+    """Shape checks, fp32 log-softmax of the student, detached teacher with padding set to the student.
+
+    ``temperature``: both distributions become softmax(logits / temperature) (the teacher's from its
+    log-probs: log_softmax(log p / t) = log_softmax(z / t), as TRL's GKD and the released OPSD compute them).
+    """
     B, T, V = _check_logits(student_logits_B_T_V)
     t_shape = tuple(teacher_logp_B_T_V.shape)
     assert t_shape == (B, T, V), f"teacher_logp_B_T_V {t_shape}, want {(B, T, V)}"
     assert mask_B_T.shape == (B, T), f"mask_B_T {tuple(mask_B_T.shape)} vs {(B, T)}"
+    assert temperature > 0, f"temperature must be > 0, got {temperature}"
     mask_B_T = mask_B_T != 0
-    student_logp_B_T_V = torch.log_softmax(student_logits_B_T_V.float(), dim=-1)
-    teacher_logp_B_T_V = torch.where(
-        mask_B_T[..., None], teacher_logp_B_T_V.detach().float(), student_logp_B_T_V.detach()
-    )
+    student_logp_B_T_V = torch.log_softmax(student_logits_B_T_V.float() / temperature, dim=-1)
+    teacher_logp_B_T_V = teacher_logp_B_T_V.detach().float()
+    if temperature != 1.0:
+        teacher_logp_B_T_V = torch.log_softmax(teacher_logp_B_T_V / temperature, dim=-1)
+    teacher_logp_B_T_V = torch.where(mask_B_T[..., None], teacher_logp_B_T_V, student_logp_B_T_V.detach())
     return student_logp_B_T_V, teacher_logp_B_T_V, mask_B_T, _check_n_tokens(n_tokens)
 
 
@@ -181,7 +187,8 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
     return loss, metrics
 
 
-def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
+def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8,
+             temperature=1.0):
     """Forward KL(p_T || p_S) = sum_v p_T (log p_T - log p_S) per position, token-mean over the step.
 
     Exact over the vocabulary: its gradient is ∇KL(p_T || p_S) (unclipped).
@@ -190,15 +197,16 @@ def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
     KL times min(1, tau / KL).detach(). ``student_logits_B_T_V`` raw logits (with grad),
     ``teacher_logp_B_T_V`` normalised teacher log-probs, ``mask_B_T`` 1 = completion token.
     Metrics: ``kl``, ``fkl``, ``clipped_mass``, ``clipped_frac``, ``topk_overlap``, ``tokens``
-    (defined in ``_divergence_loss``).
+    (defined in ``_divergence_loss``). ``temperature``: compare softmax(logits / temperature) (``_full_inputs``).
     """
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, temperature)
     terms_B_T_V = _fkl_terms(s_B_T_V, t_B_T_V)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     return loss, _floats(metrics)
 
 
-def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
+def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8,
+             temperature=1.0):
     """Reverse KL(p_S || p_T) = sum_v p_S (log p_S - log p_T) per position, token-mean over the step.
 
     Exact over the vocabulary: its gradient is ∇KL(p_S || p_T) (unclipped).
@@ -207,14 +215,15 @@ def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
     the top is capped; ``clipped_mass`` still reports the teacher mass of clipped entries);
     ``clip="token"``: as in ``fkl_loss``. Shapes and metrics as in ``fkl_loss``.
     """
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, temperature)
     terms_B_T_V = _rkl_terms(s_B_T_V, t_B_T_V)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     return loss, _floats(metrics)
 
 
 def jsd_loss(
-    student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, beta, clip="none", tau=math.inf, *, k=8
+    student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, beta, clip="none", tau=math.inf, *, k=8,
+    temperature=1.0,
 ):
     """Generalized JSD (GKD, TRL ``generalized_jsd_loss``) per position, token-mean over the step.
 
@@ -228,7 +237,7 @@ def jsd_loss(
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta!r}: expected 0 <= beta <= 1 (params key loss.jsd_beta)")
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, temperature)
     terms_B_T_V = _jsd_terms(s_B_T_V, t_B_T_V, beta)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     metrics["jsd"] = _mean(terms_B_T_V.detach().sum(-1), mask_B_T)

@@ -18,7 +18,7 @@ import torch
 
 from opdkit import loss_table, paths
 from opdkit.config import Config
-from opdkit.data import Example, encode_prompt, fingerprint, load_examples
+from opdkit.data import TEACHER_REFERENCES, Example, encode_prompt, fingerprint, load_examples
 from opdkit.engines.weights import export_state_dict as _merged_state_dict
 from opdkit.models import (check_chat_template, check_model_dir, check_same_vocab, check_vocab_rows, compute_dtype,
                            config_rows, load_model, load_tokenizer, pick_device, setup_torch, use_shared_vocab)
@@ -56,6 +56,22 @@ def check_params(cfg: Config) -> None:
         raise RunError("publish.keep must be at least 1")
     if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
         raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
+    if cfg.data.pad_side == "right" and cfg.runtime.unpadded_rows:
+        raise RunError("data.pad_side=right scores the padded layout itself (pads between prompt and completion, "
+                       "consuming positions); runtime.unpadded_rows=true would remove those pads: set it to false")
+    if cfg.loss.temperature != 1.0 and loss_table.spec(cfg.loss.name).teacher != "full":
+        raise RunError(f"loss.temperature applies to the full-distribution losses (fkl, rkl, jsd); loss.name="
+                       f"{cfg.loss.name} scores sampled tokens: leave loss.temperature at 1")
+    if not cfg.loss.temperature > 0:
+        raise RunError(f"loss.temperature must be > 0, got {cfg.loss.temperature}")
+
+
+def required_references(cfg: Config) -> tuple[str, ...]:
+    """The references every training row needs: a privileged teacher's context, sft's solutions."""
+    need = TEACHER_REFERENCES[cfg.data.teacher_context] if cfg.teacher.source != "model" else ()
+    if loss_table.samples_from(cfg.loss) == "reference" and "solution" not in need:
+        need += ("solution",)
+    return need
 
 
 def prepare_inputs(cfg: Config) -> Inputs:
@@ -64,11 +80,10 @@ def prepare_inputs(cfg: Config) -> Inputs:
     student = check_model_dir(paths.student_path(cfg), "student model")
     teacher = check_model_dir(paths.teacher_path(cfg), "teacher model") if cfg.teacher.source == "model" else None
     train = paths.train_data_path(cfg)
-    need_solution = cfg.teacher.source != "model" or loss_table.samples_from(cfg.loss) == "reference"
-    examples = load_examples(train, cfg.data, require_solution=need_solution)
     if cfg.data.chat_template:  # the student's template renders every prompt (the teacher's too)
         check_chat_template(student, "student model")
-    tok = load_tokenizer(student)
+    tok = load_tokenizer(student)  # before the data: the length filters count its tokens
+    examples = load_examples(train, cfg.data, require=required_references(cfg), tokenizer=tok)
     check_vocab_rows(tok, config_rows(student), student, "student model")
     if teacher is not None:
         t_tok = load_tokenizer(teacher)
