@@ -29,7 +29,7 @@ from typing import Any
 TEACHER_NEEDS = ("none", "token", "topk", "full")  # what the teacher scores, cheapest first
 _TOKEN = ("logp_B_T", "old_logp_B_T", "teacher_logp_B_T", "mask_B_T", "n_tokens")
 _FULL = ("logits_B_T_V", "teacher_logp_B_T_V", "mask_B_T", "n_tokens")
-_CLIP_METRICS = ("kl", "fkl", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
+_CLIP_METRICS = ("kl", "kl_forward", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,11 @@ gradient); ``"token"`` scales each position's divergence by ``min(1, tau / div).
 capped at tau, gradient direction kept).
 
 Metrics are detached python floats. Means are over this call's masked-in tokens (not divided by
-``n_tokens``); ``tokens`` is that count, to weight means when combining micro-batches. ``kl`` is
-always the unclipped reverse KL(student || teacher) per token (sampled k1 estimate for k1/k2/k3).
+``n_tokens``); ``tokens`` is that count, to weight means when combining micro-batches. ``kl`` (the
+contract's key) is always the unclipped *reverse* KL(student || teacher) per token (sampled k1
+estimate for k1/k2/k3); ``kl_forward`` (fkl / rkl / jsd) is the unclipped *forward* KL(teacher ||
+student), the quantity the OPSD log's ``kl`` ("[OPSD kl]") tracks: read its 0.098 -> 0.199 against
+``kl_forward``, never against ``kl``.
 Teacher inputs are constants (detached). Padding positions of the detached inputs are replaced by
 the student's own values, so garbage (inf/nan) there cannot reach the loss or its gradient.
 Computation is in fp32 (fp64 inputs stay fp64).
@@ -146,7 +149,7 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
     """Sum the per-entry divergence terms per position, clip them, token-mean over the step.
 
     Metrics (shared by fkl/rkl/jsd): ``kl`` (unclipped reverse KL(p_S || p_T), mean over masked
-    tokens), ``fkl`` (unclipped forward KL), ``clipped_mass`` (entry clip: mean teacher probability
+    tokens), ``kl_forward`` (unclipped forward KL(p_T || p_S): what the OPSD log calls ``kl``), ``clipped_mass`` (entry clip: mean teacher probability
     mass in clipped entries; 0 for none/token), ``clipped_frac`` (entry: fraction of positions with
     any clipped entry; token: fraction of positions whose divergence exceeded tau; 0 for none),
     ``topk_overlap`` (mean |top-k(teacher) ∩ top-k(student)| / k, k = min(k, V)), ``tokens``.
@@ -178,7 +181,7 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
         overlap_B_T = _topk_overlap_B_T(t_B_T_V.topk(k, -1).indices, s_B_T_V.topk(k, -1).indices)
         metrics = {
             "kl": _mean(reverse_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
-            "fkl": _mean(forward_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
+            "kl_forward": _mean(forward_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
             "clipped_mass": clip_mass,
             "clipped_frac": clip_frac,
             "topk_overlap": _mean(overlap_B_T, mask_B_T),
@@ -196,7 +199,7 @@ def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
     ``clip="entry"``: each summand -> min(p_T log(p_T / p_S), tau); ``clip="token"``: the position's
     KL times min(1, tau / KL).detach(). ``student_logits_B_T_V`` raw logits (with grad),
     ``teacher_logp_B_T_V`` normalised teacher log-probs, ``mask_B_T`` 1 = completion token.
-    Metrics: ``kl``, ``fkl``, ``clipped_mass``, ``clipped_frac``, ``topk_overlap``, ``tokens``
+    Metrics: ``kl``, ``kl_forward``, ``clipped_mass``, ``clipped_frac``, ``topk_overlap``, ``tokens``
     (defined in ``_divergence_loss``). ``temperature``: compare softmax(logits / temperature) (``_full_inputs``).
     """
     s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, temperature)
