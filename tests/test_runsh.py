@@ -48,7 +48,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
     data = asset("train")
     env_vars = dict(OUTPUT_DIR=str(out), STUDENT_MODEL=str(asset("student")), TEACHER_MODEL=str(asset("teacher")),
                     TRAIN_DATA=str(data), MAX_WALL_TIME_SECONDS="14", DEADLINE_RESERVE_SECONDS="4",
-                    EXPERIMENT_NAME="smoke's 1")
+                    EXPERIMENT_NAME="smoke's 1", RECIPE="none")  # the embedded models: the built-in defaults, not S1's
     args = [*TINY, "publish.every_steps=5"]
     proc = run_sh(tmp_path, *args, **env_vars)
     assert proc.returncode == 0, proc.stderr[-3000:]
