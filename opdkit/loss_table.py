@@ -19,7 +19,8 @@ and the README say it too):
   outside it (rounding at the nucleus' edge) has weight 0. The sft control is supervised NLL of
   the model itself (τ = 1, no top-p), whatever the rollout settings.
 - p_T, the teacher: its own distribution, softmax of its logits at temperature 1 over the
-  tokenizer's ids, untruncated: the target the divergences compare p_S with.
+  tokenizer's ids, untruncated: the target the divergences compare p_S with (fkl / rkl / jsd:
+  at ``loss.teacher_temperature`` instead, for the released OPSD recipe, which tempers both sides).
 
 With top-p < 1, p_S is 0 outside S, so a divergence with the teacher first (k3, fkl, topk_fkl;
 KL(p_T || p_S) would be infinite) is taken over S: sum_{v in S} p_T(v) log(p_T(v) / p_S(v)), whose
@@ -50,7 +51,7 @@ from typing import Any
 TEACHER_NEEDS = ("none", "token", "topk", "full")  # what the teacher scores, cheapest first
 _TOKEN = ("logp_B_T", "old_logp_B_T", "teacher_logp_B_T", "mask_B_T", "n_tokens")
 _FULL = ("logits_B_T_V", "teacher_logp_B_T_V", "mask_B_T", "n_tokens")
-_CLIP_METRICS = ("kl", "fkl", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
+_CLIP_METRICS = ("kl", "kl_forward", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class LossSpec:
 
 
 def _clip_params(L) -> dict:
-    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf}
+    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf, "teacher_temperature": L.teacher_temperature}
 
 
 LOSSES: dict[str, LossSpec] = {s.name: s for s in (

@@ -21,8 +21,10 @@ from opdkit.config import Config
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.sampling import policy_logits, sample_seed
 from opdkit.engines.select import engine_name
-from opdkit.teacher import (AlignmentError, Geometry, build_geometry, check_alignment, completion_hidden,
-                            token_logprobs, topk_logprobs, unwrap)
+from opdkit.teacher import (AlignmentError, Geometry, build_geometry, build_right_padded_geometry, check_alignment,
+                            completion_hidden, token_logprobs, topk_logprobs, unwrap)
+
+GEOMETRIES = {"left": build_geometry, "right": build_right_padded_geometry}  # data.pad_side
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Batch:
     rollout: Rollout
     teacher_prompt_ids_B_Sp: torch.Tensor  # = the rollout's prompts, or privileged prompts
     teacher_prompt_mask_B_Sp: torch.Tensor
+    pad_side: str = "left"  # data.pad_side: how the scored sequences are laid out (GEOMETRIES)
 
 
 def step_seeds(seed: int, step: int, n: int, offset: int = 0) -> list[int]:
@@ -55,14 +58,27 @@ def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_
 
 def teacher_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
     ro = batch.rollout
-    return build_geometry(batch.teacher_prompt_ids_B_Sp[rows], batch.teacher_prompt_mask_B_Sp[rows],
-                          ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
+    return GEOMETRIES[batch.pad_side](batch.teacher_prompt_ids_B_Sp[rows], batch.teacher_prompt_mask_B_Sp[rows],
+                                      ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
 
 
 def student_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
     ro = batch.rollout
-    return build_geometry(ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows],
-                          ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
+    return GEOMETRIES[batch.pad_side](ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows],
+                                      ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
+
+
+def pad_offsets(batch: Batch) -> dict:
+    """With ``data.pad_side=right``: how far each completion sits from where it was sampled, k_b =
+    prompt width - real prompt tokens, per side (``pad_offset_{student,teacher}_mean`` / ``_max``;
+    the OPSD log measured a mean of 292 on the teacher side). Empty for left padding (no offset)."""
+    if batch.pad_side == "left":
+        return {}
+    out = {}
+    for side, mask_B_Sp in (("student", batch.rollout.prompt_mask_B_Sp), ("teacher", batch.teacher_prompt_mask_B_Sp)):
+        k_B = (mask_B_Sp.shape[1] - mask_B_Sp.long().sum(dim=1)).float()
+        out[f"pad_offset_{side}_mean"], out[f"pad_offset_{side}_max"] = float(k_B.mean()), float(k_B.max())
+    return out
 
 
 def check_precision(cfg: Config, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -100,6 +116,15 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
     autocast, on a batch sampled by ``student``.
     """
     ro = batch.rollout
+    if batch.pad_side == "right":
+        k = pad_offsets(batch)
+        raise AlignmentError(
+            "alignment check failed on the first batch: data.pad_side=right scores every completion after its row's "
+            f"prompt pads, which consume positions: offsets of {k['pad_offset_student_mean']:.1f} (max "
+            f"{k['pad_offset_student_max']:.0f}) positions on the student's side and {k['pad_offset_teacher_mean']:.1f} "
+            f"(max {k['pad_offset_teacher_max']:.0f}) on the teacher's. To train with the released OPSD layout on "
+            "purpose, set runtime.alignment_check=false (recipes/opsd_released.yaml does; train.jsonl then records "
+            "the offsets as pad_offset_*); data.pad_side=left scores the tokens where they were sampled")
     out = check_alignment(student_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T, ro.prompt_mask_B_Sp)
     out.update(check_alignment(teacher_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
                                batch.teacher_prompt_mask_B_Sp))

@@ -32,7 +32,7 @@ import torch
 
 from opdkit import loss_table, paths
 from opdkit.config import Config
-from opdkit.data import DataError, Example, fingerprint, load_examples
+from opdkit.data import TEACHER_REFERENCES, DataError, Example, fingerprint, load_examples
 from opdkit.engines.base import pad_and_eos
 from opdkit.models import ModelError, check_model_dir, config_rows, load_tokenizer, model_rows, tokenizer_ids
 from opdkit.teacher import restrict_vocab
@@ -133,8 +133,8 @@ def check_inputs(cfg: Config, strict: bool) -> tuple[Inputs | None, list[Finding
         c.findings.append(Finding("teacher model", OK, f"teacher.source={cfg.teacher.source}: the student, given the "
                                   "reference solution in its prompt, is its own teacher (no teacher model)"))
     train_path = paths.train_data_path(cfg)
-    examples = c.run("data", training_data, cfg, train_path)
-    s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")
+    s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")  # before the data: the length filters count its tokens
+    examples = c.run("data", training_data, cfg, train_path, s_tok)
     t_tok = c.run("teacher tokenizer", tokenizer_of, t_dir, "teacher model") if with_teacher else None
     c.run("chat template", chat_template, cfg, s_dir, t_dir, s_tok, t_tok, examples)
     dirs = {"student": s_dir, **({"teacher": t_dir} if with_teacher else {})}
@@ -167,9 +167,16 @@ def model_dir(path: Path, what: str):
     return p, [Finding(what, OK, f"{p} ({arch})")]
 
 
-def training_data(cfg: Config, path: Path):
-    need_solution = cfg.teacher.source != "model" or loss_table.samples_from(cfg.loss) == "reference"
-    examples = load_examples(path, cfg.data, require_solution=need_solution)
+def required_references(cfg: Config) -> tuple[str, ...]:
+    """The references every training row needs: a privileged teacher's context, sft's solutions."""
+    need = TEACHER_REFERENCES[cfg.data.teacher_context] if cfg.teacher.source != "model" else ()
+    if loss_table.samples_from(cfg.loss) == "reference" and "solution" not in need:
+        need += ("solution",)
+    return need
+
+
+def training_data(cfg: Config, path: Path, tokenizer=None):
+    examples = load_examples(path, cfg.data, require=required_references(cfg), tokenizer=tokenizer)
     n_chat = sum(not isinstance(ex.prompt, str) for ex in examples)
     shape = ("chat messages" if n_chat == len(examples) else "plain-text prompts" if not n_chat
              else f"{n_chat} chat-message and {len(examples) - n_chat} plain-text prompts")

@@ -47,6 +47,14 @@ def check_params(cfg: Config) -> None:
         raise RunError("publish.keep must be at least 1")
     if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
         raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
+    if cfg.data.pad_side == "right" and cfg.runtime.unpadded_rows:
+        raise RunError("data.pad_side=right scores the padded layout itself (pads between prompt and completion, "
+                       "consuming positions); runtime.unpadded_rows=true would remove those pads: set it to false")
+    if cfg.loss.teacher_temperature != 1.0 and loss_table.spec(cfg.loss.name).teacher != "full":
+        raise RunError(f"loss.teacher_temperature applies to the full-distribution losses (fkl, rkl, jsd); loss.name="
+                       f"{cfg.loss.name} scores sampled tokens: leave loss.teacher_temperature at 1")
+    if not cfg.loss.teacher_temperature > 0:
+        raise RunError(f"loss.teacher_temperature must be > 0, got {cfg.loss.teacher_temperature}")
 
 
 def prepare_inputs(cfg: Config) -> Inputs:

@@ -6,7 +6,9 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
     checkpoints/checkpoint-<step>/    complete HF exports, published atomically (newest publish.keep)
     metrics/train.jsonl               one JSON object per step
     state/trainer_state.pt            what resume needs (weights or adapter, optimizer, step, data
-                                      position, RNG, elapsed wall time); written atomically
+                                      position, RNG, elapsed wall time); written atomically (in
+                                      runtime.state_dir instead when it is set: run.sh's CKPT_DIR,
+                                      with a lock of its own)
     run.json                          the latest start: running / completed / stopped (by a signal) /
                                       failed (+ reason, step; ``nonfinite`` / ``out_of_memory``)
     .opdkit.lock                      held while a run writes here (a second run fails at once)
@@ -68,7 +70,7 @@ from opdkit.engines.select import make_engine
 from opdkit.schedules import lr_at, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
 
-STATE_FILE = "state/trainer_state.pt"
+STATE_FILE = "state/trainer_state.pt"  # under the output directory, unless runtime.state_dir names another
 METRICS_FILE = "metrics/train.jsonl"
 RUN_FILE = "run.json"
 # Params sections that may change between the starts of one run; any other change would splice
@@ -87,8 +89,16 @@ class TrainResult:
     checkpoints: list[str]
 
 
-def prompt_indices(seed: int, n_rows: int, start: int, count: int) -> list[int]:
-    """Rows ``start .. start+count-1`` of the data stream: a fresh seeded shuffle per epoch."""
+def state_file(cfg: Config, out: str | Path) -> Path:
+    """The trainer state's file: ``runtime.state_dir/trainer_state.pt``, else ``OUT/state/trainer_state.pt``."""
+    return Path(cfg.runtime.state_dir) / Path(STATE_FILE).name if cfg.runtime.state_dir else Path(out) / STATE_FILE
+
+
+def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = "shuffled") -> list[int]:
+    """Rows ``start .. start+count-1`` of the data stream: a fresh seeded shuffle per epoch
+    (``data.order=shuffled``), or the table's order, epoch after epoch (``stored``)."""
+    if order == "stored":
+        return [pos % n_rows for pos in range(start, start + count)]
     out, perms = [], {}
     for pos in range(start, start + count):
         epoch, i = divmod(pos, n_rows)
@@ -117,16 +127,15 @@ def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, l
     }  # fmt: skip
     buf = io.BytesIO()
     torch.save(state, buf)
-    p, data = run.cfg.publish, buf.getvalue()
-    with explain_storage_errors((out / STATE_FILE).parent, len(data), f"the trainer state at step {step}"):  # not retried
-        (out / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
-        retry_io(lambda: atomic_write_bytes(out / STATE_FILE, data), retries=p.retries, backoff_s=p.backoff_s,
+    p, data, f = run.cfg.publish, buf.getvalue(), state_file(run.cfg, out)
+    with explain_storage_errors(f.parent, len(data), f"the trainer state at step {step}"):  # not retried
+        f.parent.mkdir(parents=True, exist_ok=True)
+        retry_io(lambda: atomic_write_bytes(f, data), retries=p.retries, backoff_s=p.backoff_s,
                  what=f"saving the trainer state at step {step}", log=log)
 
 
-def _load_state(out: Path) -> dict | None:
-    """The saved trainer state (memory-mapped: cheap to peek at), or None for a fresh run."""
-    f = out / STATE_FILE
+def _load_state(f: Path) -> dict | None:
+    """The saved trainer state in ``f`` (memory-mapped: cheap to peek at), or None for a fresh run."""
     if not f.is_file():
         return None
     try:
@@ -168,12 +177,12 @@ def _check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
     if out.exists() and not out.is_dir():
         raise RunError(f"output directory {out} exists and is not a directory")
-    state = _load_state(out)
+    state = _load_state(state_file(cfg, out))
     if state is not None:
         _check_resumable(cfg, inputs, state, out)
     elif list_checkpoints(out / "checkpoints"):
         names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
-        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({STATE_FILE}) to resume "
+        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({state_file(cfg, out)}) to resume "
                        "them from; choose another output directory or remove the old checkpoints")
 
 
@@ -312,7 +321,11 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     at = guards.StepProgress()  # which step and phase runs (for an out-of-memory message)
-    with OutputLock(out) if world.is_main else contextlib.nullcontext():
+    with contextlib.ExitStack() as locks:
+        if world.is_main:
+            locks.enter_context(OutputLock(out))
+            if cfg.runtime.state_dir and Path(cfg.runtime.state_dir).resolve() != out.resolve():  # CKPT_DIR: a lock of its own
+                locks.enter_context(OutputLock(cfg.runtime.state_dir, "trainer state directory"))
         try:
             try:
                 return _train_locked(cfg, inputs, out, log, progress, t_start, world, at)
@@ -332,13 +345,13 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
 
 def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
                   world: distributed.World, at: guards.StepProgress) -> TrainResult:
-    state = _load_state(out)  # again, now that no other run can change it
+    state = _load_state(state_file(cfg, out))  # again, now that no other run can change it
     if state is not None:
         _check_resumable(cfg, inputs, state, out)
     step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
     seen = world.gather(step if state is not None else None)  # every rank restores the same state
     if len(set(seen)) > 1:
-        raise RunError(f"the ranks see different trainer states in {out / STATE_FILE} (steps {seen}); with several "
+        raise RunError(f"the ranks see different trainer states in {state_file(cfg, out)} (steps {seen}); with several "
                        "nodes the output directory must be one shared directory")
     lost_elapsed = _trim_metrics(out, step) if world.is_main else 0.0
     elapsed0 = world.from_main(max(state["elapsed_s"], lost_elapsed) if state else 0.0)
@@ -347,7 +360,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size})
     log("resolved config:\n" + dump_yaml(cfg))
     if state is not None:
-        log(f"resuming from {out / STATE_FILE}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
+        log(f"resuming from {state_file(cfg, out)}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
             + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
                if lost_elapsed > state["elapsed_s"] else ""))
         reason = _should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
@@ -414,7 +427,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             # 1. rollout: P prompts x G samples from the student (or the teacher / references for sft);
             # a rank of a sharded run takes prompts mine.start .. mine.stop-1 (global sample seeds)
             mine = world.share(P)
-            examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P)][mine]
+            examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P,
+                                                                    cfg.data.order)][mine]
             data_pos += P
             prompts = run.prompts(examples)
             if loss_table.samples_from(cfg.loss) == "reference":
@@ -431,7 +445,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             else:  # privileged: the teacher's prompt also holds the reference solution
                 priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
-            batch = opd.Batch(rollout, t_ids, t_mask)
+            batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side)
             t1 = _clock(run.device)
             align = None
             if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
@@ -450,6 +464,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
                                               int(rollout.truncated_B.sum()))
             m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+            m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
             m = distributed.reduce_metrics(m, world)
             trainable = [p for p in run.student.parameters() if p.requires_grad]
             grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))

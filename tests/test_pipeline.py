@@ -106,7 +106,7 @@ def test_subset_stage_selects_like_the_commands_and_pins_a_fingerprint(tmp_path)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"data": {"filters": {"integer_answers": True, "exclude_sources": ["b"]},
+    params.write_text(yaml.safe_dump({"data": {"filters": {"answer_regex": r"-?\d{1,6}", "exclude_sources": ["b"]},
                                                "max_rows": 3}}))
     out = tmp_path / "out"
     argv = ["--train", str(src), "--eval", str(src), "--out-train", str(out / "train.parquet"),
