@@ -34,8 +34,10 @@ from opdkit.setup import RunError, export_state_dict, make_optimizer, trainable_
 from opdkit.teacher import unwrap
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=24", "runtime.threads=1",
-        "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=1"]
+# the issue-22 shape: up to 64 new tokens, so the ranks' longest completions differ (39 and 40 tokens at
+# step 1), and logprob_chunk=1, so do their numbers of position chunks (a hang before the fix)
+TINY = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=64", "runtime.threads=1",
+        "runtime.logprob_chunk=1", "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=1"]
 WEIGHT_TOL = 1e-6  # fp32 on CPU: only the order of float sums differs between 1 and 2 processes
 
 
@@ -183,7 +185,7 @@ def _torchrun(out: Path, *overrides: str, nproc: int = 2) -> subprocess.Complete
     for kv in [*TINY, *overrides]:
         cmd += ["-S", kv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # a hang fails here
 
 
 def _single(out: Path, *overrides: str):
