@@ -158,6 +158,9 @@ class RuntimeConfig:
     alignment_tol_fp32: tuple[float, float] = (1.0e-3, 1.0e-4)
     alignment_tol_bf16: tuple[float, float] = (2.0, 0.05)
     teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
+    # torchrun: a collective that waits longer than this for another rank ends the run (exit 1, run.json
+    # names the phase); it must exceed the longest legitimate wait (a rank's rollout outlasting another's)
+    collective_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)

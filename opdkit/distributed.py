@@ -146,10 +146,34 @@ def init(rt: RuntimeConfig) -> World:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30),
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=rt.collective_timeout_s),
                             **({"device_id": device} if use_cuda else {}))
     _WORLD = World(rank, size, local, device, active=True)
     return _WORLD
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective of a torchrun rank timed out or lost its peer (a rank stuck, or dead) in one
+    phase of a step; ``record`` names both for run.json."""
+
+    def __init__(self, step: int, phase: str, cause: BaseException, timeout_s: float):
+        self.step, self.phase = step, phase
+        self.record = {"step": step, "collective_failure": phase}
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        where = "while starting" if phase == "startup" else f"in the {phase} phase of step {step}"
+        super().__init__(f"a collective did not complete {where} ({first}): another rank stopped answering (it is "
+                         f"stuck, or it died: see its own error). runtime.collective_timeout_s={timeout_s:g} bounds "
+                         "the wait; raise it if one rank may legitimately wait longer for the others")
+
+
+def is_collective_failure(exc: BaseException, world: World) -> bool:
+    """True for the error of a collective that timed out or whose peer went away, on a rank of a
+    process group: NCCL's ``DistError``s, and gloo's ``RuntimeError`` (its message names gloo)."""
+    if not world.active or isinstance(exc, torch.OutOfMemoryError):
+        return False
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
 
 
 def current() -> World:
@@ -174,6 +198,8 @@ def check_params(cfg: Config, world: World) -> None:
     n = world.size if world.active else int(os.environ.get("WORLD_SIZE", "1"))
     select.check_params(cfg, world.device if world.active else torch.device(
         "cuda" if cfg.runtime.device != "cpu" and torch.cuda.is_available() else "cpu"))
+    if cfg.runtime.collective_timeout_s <= 0:
+        raise RunError(f"runtime.collective_timeout_s must be > 0 seconds, got {cfg.runtime.collective_timeout_s}")
     P = cfg.rollout.prompts_per_step
     if P % n:
         raise RunError(f"rollout.prompts_per_step={P} must be a multiple of the number of ranks ({n}): "

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from opdkit import trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
 from procs import env
@@ -72,7 +72,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
     # a step starts only if it is expected to end (as long as the last one) before the reserve
     for r in rows[:-1]:
         assert r["elapsed_s"] + r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"] + 4 < 14
-    assert (out / "state" / "trainer_state.pt").is_file()
+    assert trainer_state.peek(out)["step"] == run["step"]
 
     again = run_sh(tmp_path, *args, **{**env_vars, "EXPERIMENT_NAME": "renamed"})  # a label: resumes all the same
     assert again.returncode == 0, again.stderr[-3000:]
@@ -186,5 +186,5 @@ def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_pat
     assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     assert not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
     # the step in flight finished: it has a metrics row, the trainer state and the newest checkpoint
-    state = torch.load(out / "state" / "trainer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    state = trainer_state.peek(out)
     assert metric_steps(out)[-1] == run["step"] == state["step"] == int(ckpts[-1].name.split("-")[1])
