@@ -53,8 +53,8 @@ for kv in "$@"; do args+=(-S "$kv"); done
 if ((NPROC > 1)); then
     # torchrun reports any worker failure as 1: check inputs and the lock first, so that bad input
     # is still 2 and a held OUTPUT_DIR still 75.
-    check_status=0
-    "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
+    check_status=0  # WORLD_SIZE: the checks for NPROC processes (prompts per rank, engines)
+    WORLD_SIZE="$NPROC" "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
     if ((check_status != 0)); then exit "$check_status"; fi
     # --standalone: a rendezvous on a free local port, so two runs on one machine do not collide on 29500
     cmd=(torchrun --standalone --nproc-per-node "$NPROC" -m opdkit "${args[@]}")

@@ -41,8 +41,8 @@ import torch
 
 from opdkit.config import Config, RuntimeConfig
 from opdkit.engines import select
-from opdkit.engines.weights import export_state_dict as _export, full
-from opdkit.setup import Run, RunError, make_optimizer, trainable_state as _trainable_unsharded
+from opdkit.engines.weights import export_state_dict as _export
+from opdkit.setup import Run, RunError, make_optimizer
 from opdkit.sharding import fsdp_units, full_params, is_sharded, reshard  # noqa: F401
 from opdkit.teacher import unwrap
 
@@ -327,56 +327,7 @@ def reduce_metrics(m: dict, world: World) -> dict:
     return out
 
 
-# --- gathering state (rank 0 receives; every rank must call) ----------------------------------
-
-
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The full, unsharded ``state_dict`` of ``model`` on rank 0's CPU ({} on other ranks); a CPU
-    copy of the plain ``state_dict`` for an unsharded model."""
-    if not is_sharded(model):
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    reshard(model)
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """``setup.trainable_state`` of the unsharded model, on rank 0 ({} on other ranks). With LoRA
-    only the adapter parameters are gathered (one at a time), not the whole model."""
-    if not is_sharded(model):
-        return _trainable_unsharded(model)
-    if not hasattr(model, "merge_adapter"):
-        return full_state_dict(model)
-    from peft import get_peft_model_state_dict
-
-    reshard(model)
-    main = current().is_main
-    adapters = {}
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            t = full(p.detach())
-            if main:
-                adapters[n] = t.to("cpu", copy=True)
-    return get_peft_model_state_dict(model, state_dict=adapters) if main else {}
-
-
-def optimizer_state(model, optimizer) -> dict:
-    """The optimizer's ``state_dict`` as one process would have it (state keyed by the index of
-    the parameter in optimizer order, full tensors), on rank 0 ({} on other ranks)."""
-    if not is_sharded(model):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    reshard(model)
-    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not full:
-        return {}
-    index = {n: i for i, n in enumerate(trainable_names(model))}
-    return {
-        "state": {index[n]: s for n, s in full["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]],
-    }
+# --- gathering the weights (rank 0 receives; every rank must call) -----------------------------
 
 
 def export_state_dict(model) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
                                       position, RNG, elapsed wall time); streamed, atomic
                                       (``opdkit.trainer_state``)
     run.json                          the latest start: running / completed / stopped (by a signal) /
-                                      failed (+ reason, step; ``nonfinite`` / ``out_of_memory``)
+                                      failed (+ reason, step; ``nonfinite`` / ``out_of_memory`` /
+                                      ``collective_failure``)
     .opdkit.lock                      held while a run writes here (a second run fails at once)
 
 Every input is validated before anything in the directory is created or changed. The trainer
@@ -67,6 +68,11 @@ from opdkit.trainer_state import STATE_DIR
 
 METRICS_FILE = "metrics/train.jsonl"
 RUN_FILE = "run.json"
+# Params sections that may change between the starts of one run; any other change would splice
+# two different runs together. Paths may change too (files move), the data fingerprint may not.
+RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "pipeline", "embedded")
+PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
+LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
 
 
 @dataclass
@@ -89,7 +95,28 @@ def prompt_indices(seed: int, n_rows: int, start: int, count: int) -> list[int]:
     return out
 
 
-# --- the output directory ---------------------------------------------------------------------
+# --- the output directory and resuming ---------------------------------------------------------
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> None:
+    """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
+    old, new = _flat(state["config"]), _flat(to_dict(cfg))
+    fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
+             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS and old[k] != new[k]]
+    if fixed:
+        changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
+        raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
+                       "same values or choose another output directory")
+    if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
+        raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
+                       "(fingerprints differ); resume it with the same data or choose another output directory")
 
 
 def _check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
@@ -98,7 +125,7 @@ def _check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
         raise RunError(f"output directory {out} exists and is not a directory")
     state = trainer_state.peek(out)
     if state is not None:
-        trainer_state.check_resumable(cfg, inputs, state, out)
+        _check_resumable(cfg, inputs, state, out)
     elif list_checkpoints(out / "checkpoints"):
         names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
         raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({out / STATE_DIR}) to resume "
@@ -254,7 +281,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                   world: distributed.World, at: guards.StepProgress) -> TrainResult:
     state = trainer_state.peek(out)  # again, now that no other run can change it
     if state is not None:
-        trainer_state.check_resumable(cfg, inputs, state, out)
+        _check_resumable(cfg, inputs, state, out)
     step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
     seen = world.gather(step if state is not None else None)  # every rank restores the same state
     if len(set(seen)) > 1:

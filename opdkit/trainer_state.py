@@ -39,22 +39,15 @@ from pathlib import Path
 import torch
 
 from opdkit import distributed
-from opdkit.config import Config, to_dict
+from opdkit.config import to_dict
 from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
-from opdkit.setup import Inputs, Run, RunError, load_trainable_state
+from opdkit.setup import Run, RunError, load_trainable_state
 
 STATE_DIR = "state"
 LEGACY_FILE = "trainer_state.pt"  # the single-file state of older versions
 META = "meta.pt"
 FORMAT = 2  # 1: the legacy single file
 _NAME = re.compile(r"^trainer_state-(\d+)(?:\.(\d+))?$")
-
-# Params sections that may change between the starts of one run; any other change would splice
-# two different runs together. Paths may change too (files move), the data fingerprint may not.
-RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "pipeline", "embedded")
-PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
-LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
-
 
 # --- finding and reading ----------------------------------------------------------------------
 
@@ -95,27 +88,6 @@ def peek(out: str | os.PathLike) -> dict | None:
         raise RunError(f"trainer state {path} cannot be read ({type(e).__name__}: {e}); "
                        "move it away to start this run from scratch, or use another output directory") from None
     return {**meta, "path": path}
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
-def check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> None:
-    """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
-    old, new = _flat(state["config"]), _flat(to_dict(cfg))
-    fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
-             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS and old[k] != new[k]]
-    if fixed:
-        changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
-        raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
-                       "same values or choose another output directory")
-    if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
-        raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
-                       "(fingerprints differ); resume it with the same data or choose another output directory")
 
 
 # --- the tensors: DCP state dicts of the run --------------------------------------------------

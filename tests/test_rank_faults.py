@@ -1,10 +1,12 @@
-"""A stuck rank ends a torchrun run, and a stop signal to the launcher stops every rank (2 gloo
-processes, real ``opdkit train`` runs).
+"""Faults of torchrun runs (2 gloo processes, real ``opdkit train`` runs): a stuck rank ends the
+run at ``runtime.collective_timeout_s``, naming the phase; a stop signal to the launcher stops every
+rank; SIGKILL of every rank in the middle of writing the trainer state leaves only complete states,
+and the rerun ends with the uninterrupted run's weights, bit for bit.
 
-The stall is planted from outside the library: a ``sitecustomize`` on the workers' path makes
-rank 1, at its first ``micro_losses``, wait for a message no rank sends (``dist.recv``), so it
-never joins the step's collectives while rank 0 waits in them; both are blocked inside gloo, where
-no Python signal handler runs. Every wait is bounded by ``runtime.collective_timeout_s``.
+Faults are planted from outside the library: a ``sitecustomize`` on the workers' path patches a
+function in one rank. The stall makes rank 1, at its first ``micro_losses``, wait for a message no
+rank sends (``dist.recv``), so it never joins the step's collectives while rank 0 waits in them;
+both are blocked inside gloo, where no Python signal handler runs.
 """
 
 from __future__ import annotations
@@ -19,17 +21,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from opdkit import trainer_state
 from opdkit.checkpoints import list_checkpoints
-from opdkit.trainer_state import peek
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
         "runtime.threads=1", "optim.schedule=constant", "budget.max_wall_time_s=0"]
-STALL = """
-    import os
-    if os.environ.get("OPDKIT_TEST_STALL_RANK") == os.environ.get("RANK"):
+FAULTS = {
+    "stall": """
         import torch
         import torch.distributed as dist
         import opdkit.opd as o
@@ -42,14 +44,29 @@ STALL = """
             return real(*a, **k)
 
         o.micro_losses = stalled
-"""
+    """,
+    "slow_state": """
+        import time
+        import torch.distributed.checkpoint.filesystem as fs
+
+        real = fs._write_item
+
+        def slow(*a, **k):  # each tensor of the trainer state takes a while: a wide window to kill in
+            time.sleep(0.05)
+            return real(*a, **k)
+
+        fs._write_item = slow
+    """,
+}
 
 
-def stall_env(tmp_path: Path, **extra) -> dict:
-    site = tmp_path / "stall_site"
+def fault_env(tmp_path: Path, fault: str, rank: int = 1, **extra) -> dict:
+    site = tmp_path / "fault_site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(textwrap.dedent(STALL))
-    return env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), OPDKIT_TEST_STALL_RANK="1", **extra)
+    code = "import os\nif os.environ.get('RANK') == os.environ.get('OPDKIT_TEST_FAULT_RANK'):\n"
+    code += textwrap.indent(textwrap.dedent(FAULTS[fault]), "    ")
+    (site / "sitecustomize.py").write_text(code)
+    return env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), OPDKIT_TEST_FAULT_RANK=str(rank), **extra)
 
 
 def torchrun_cmd(out: Path, *overrides: str) -> list[str]:
@@ -119,14 +136,14 @@ def test_a_rank_that_never_joins_ends_the_run_at_the_collective_timeout_naming_t
     out = tmp_path / "out"
     t0 = time.monotonic()
     r = subprocess.run(torchrun_cmd(out, "budget.max_steps=2", "runtime.collective_timeout_s=5"), cwd=tmp_path,
-                       env=stall_env(tmp_path), capture_output=True, text=True, timeout=240)
+                       env=fault_env(tmp_path, "stall"), capture_output=True, text=True, timeout=240)
     took = time.monotonic() - t0
     assert r.returncode != 0 and "rank 1 stalls" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
     assert "a collective did not complete in the update phase of step 1" in r.stderr
     assert "runtime.collective_timeout_s=5 bounds the wait" in r.stderr
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["step"], run["collective_failure"]) == ("failed", 1, "update")
-    assert list_checkpoints(out / "checkpoints") == [] and peek(out) is None  # nothing of the stuck step saved
+    assert list_checkpoints(out / "checkpoints") == [] and trainer_state.peek(out) is None  # nothing of the stuck step saved
     print(f"stuck rank: the run ended after {took:.0f}s (5 s timeout)")
 
 
@@ -137,7 +154,7 @@ def test_sigterm_to_torchrun_stops_every_rank_of_a_stuck_run(tmp_path):
     collective timeout."""
     out = tmp_path / "out"
     proc = subprocess.Popen(torchrun_cmd(out, "budget.max_steps=2", "runtime.collective_timeout_s=600"),
-                            cwd=tmp_path, env=stall_env(tmp_path, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3"),
+                            cwd=tmp_path, env=fault_env(tmp_path, "stall", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         workers = two_workers(proc)
@@ -178,5 +195,50 @@ def test_sigterm_to_run_sh_with_two_ranks_stops_them_after_the_step_with_their_s
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     rows = [json.loads(ln)["step"] for ln in (out / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert rows == list(range(1, run["step"] + 1)) and peek(out)["step"] == run["step"]  # the step in flight saved
+    assert rows == list(range(1, run["step"] + 1)) and trainer_state.peek(out)["step"] == run["step"]  # the step in flight saved
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == [f"checkpoint-{run['step']}"]
+
+
+KILL_ARGS = ["budget.max_steps=2", "publish.every_steps=1", "publish.keep=2", "optim.lr=0.01"]
+
+
+def _weights(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(ckpt / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_sigkill_of_every_rank_while_the_state_is_written_then_a_rerun_ends_bit_for_bit(tmp_path):
+    ref = tmp_path / "ref"
+    r = subprocess.run(torchrun_cmd(ref, *KILL_ARGS), cwd=tmp_path, env=env(PYTHONPATH=str(REPO)), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(torchrun_cmd(out, *KILL_ARGS), cwd=tmp_path, env=fault_env(tmp_path, "slow_state"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        workers = two_workers(proc)
+        state_dir = out / "state"
+        # the step-2 state is being written: rank 1 is slow, in the middle of its tensors
+        wait_for(lambda: state_dir.is_dir() and any(p.name.startswith(".tmp-trainer_state-2-") for p in state_dir.iterdir()),
+                 proc, 240, "the step-2 state write")
+        time.sleep(0.5)
+        for pid in [proc.pid, *workers]:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not alive(workers)
+    kept = trainer_state.peek(out)
+    assert kept["step"] == 1 and kept["path"].name == "trainer_state-1"  # the half-written one is not a state
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1"]
+
+    r = subprocess.run(torchrun_cmd(out, *KILL_ARGS), cwd=tmp_path, env=env(PYTHONPATH=str(REPO)), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stdout and [p.name for p in (out / "state").iterdir()] == ["trainer_state-2"]
+    a, b = _weights(ref / "checkpoints" / "checkpoint-2"), _weights(out / "checkpoints" / "checkpoint-2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
