@@ -9,8 +9,13 @@ every rank. Per step:
 - the step's token count is summed over ranks before the loss, and every rank divides its summed
   loss by ``global tokens / N``: FSDP averages gradients over the N ranks, so the update is the
   token mean over the whole step, as in one process;
-- metrics are reduced over ranks; rank 0 alone writes them, saves the trainer state and publishes
-  checkpoints (the other ranks take part in gathering the full weights).
+- every rank issues the same collectives whatever its data: the loss's backward structure
+  (``opd.micro_losses``, with ``sharding.deferred_grad_sync`` / ``layers_gathered``) does not
+  depend on a rank's completion lengths, and ``sharding.check_same_on_ranks`` refuses unequal
+  numbers of micro-batches;
+- metrics are reduced over ranks; rank 0 alone writes them and publishes checkpoints (the other
+  ranks take part in gathering the full weights); every rank writes its shards of the trainer
+  state (``opdkit.trainer_state``).
 
 The student is sharded with FSDP2 (``fully_shard`` on each decoder layer, then on the root, which
 owns the embeddings, the final norm and the head). The teacher is replicated (inference only) or
@@ -21,10 +26,11 @@ in ``sync_weights``; ``model.generate`` on the live model runs under ``full_para
 ``engines.sharded``). Either way generation runs no collectives and a rank that finishes early does
 not hold the others up.
 
-The trainer state is written in the single-process layout (full, unsharded weights or, with LoRA,
-only the adapter, gathered alone; the optimizer state keyed by parameter index), gathered with the
-``torch.distributed.checkpoint`` state-dict helpers: a run resumes under any world size that divides ``rollout.prompts_per_step``,
-including one process. Backend: NCCL on CUDA (``NCCL_NVLS_ENABLE=0`` unless set), gloo on CPU.
+The trainer state stores tensors by name at their global shapes (``torch.distributed.checkpoint``),
+so a run resumes under any world size that divides ``rollout.prompts_per_step``, including one
+process. Backend: NCCL on CUDA (``NCCL_NVLS_ENABLE=0`` unless set), gloo on CPU; a collective that
+waits longer than ``runtime.collective_timeout_s`` for another rank raises (gloo; NCCL's watchdog
+ends the process), and the loop turns it into ``CollectiveFailure`` naming the step and phase.
 
 Nothing here runs or imports ``torch.distributed`` state on import; a plain ``python -m opdkit``
 run never touches it (``World()`` is the single-process world).

@@ -39,8 +39,8 @@ from opdkit.setup import build_run, prepare_inputs
 
 BASE = ["runtime.threads=1", "runtime.device=cpu", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
         "budget.max_steps=1", "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=0.01"]
-PROMPT_LENS = (5, 8, 4, 6)  # rows of the global batch (2 prompts x 2 samples): rank 0 gets rows 0-1, rank 1 rows 2-3
-LENGTHS = (9, 7, 3, 2)  # completion tokens per row: T is 9 on rank 0, 3 on rank 1
+PROMPT_LENS = (5, 8, 4, 6)  # of the global batch's rows (repeated for more rows)
+LENGTHS = (9, 7, 3, 2)  # completion tokens per row (2 prompts x 2 samples): T is 9 on rank 0 (rows 0-1), 3 on rank 1
 
 
 @contextlib.contextmanager
@@ -70,7 +70,8 @@ def global_batch(vocab: int, eos_id: int, lengths=LENGTHS) -> list[tuple[list[in
     """(prompt, completion) token lists of the global batch, deterministic; each completion ends with EOS."""
     g = torch.Generator().manual_seed(1234)
     rows = []
-    for n_p, n_c in zip(PROMPT_LENS, lengths):
+    for i, n_c in enumerate(lengths):
+        n_p = PROMPT_LENS[i % len(PROMPT_LENS)]
         prompt = torch.randint(3, vocab, (n_p,), generator=g).tolist()
         comp = torch.randint(3, vocab, (n_c - 1,), generator=g).tolist() + [eos_id]
         rows.append((prompt, comp))
