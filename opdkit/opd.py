@@ -201,11 +201,11 @@ def micro_slices(cfg: Config, batch: Batch) -> list[slice]:
 def score_batch(cfg: Config, teacher, batch: Batch, autocast, teacher_ctx_manager=contextlib.nullcontext) -> list:
     """Teacher scoring of every micro-batch of the step (no grad). A sharded teacher scoring row by
     row (``runtime.unpadded_rows``) gathers each layer once per micro-batch, not once per row."""
-    per_row = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext
+    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
     out = []
     with autocast():
         for rows in micro_slices(cfg, batch):
-            with per_row(teacher):
+            with gather_once(teacher):
                 out.append(teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager))
     return out
 
@@ -232,13 +232,13 @@ def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n
     ro = batch.rollout
     n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
     chunk = cfg.runtime.logprob_chunk
-    per_row = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext
+    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
     parts, total = [], 0.0
     _, s_head = unwrap(student)
     slices = micro_slices(cfg, batch)
     check_same_on_ranks(student, len(slices), "micro-batches")
     for rows, t_ctx in zip(slices, contexts):
-        with autocast(), per_row(student):
+        with autocast(), gather_once(student):
             h_B_T_H = completion_hidden(student, student_geometry(batch, rows), cfg.runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
         with deferred_grad_sync(student):
@@ -249,7 +249,7 @@ def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n
                 loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
                 total += float(loss.detach())
                 parts.append(m)
-        with per_row(student):
+        with gather_once(student):
             h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch: gradients reduced here
     out = _combine(parts)
     out["loss"] = total

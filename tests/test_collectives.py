@@ -37,8 +37,9 @@ CASES = {
     for tune in ("full", "lora") for c in (1, 3) for unp in (False, True)
 }
 CASES["full-chunk3-padded-2micro"] = ["runtime.logprob_chunk=3", "optim.micro_batch=1"]
-CASES["full-chunk1-unpadded-fsdp_teacher"] = ["runtime.logprob_chunk=1", "runtime.unpadded_rows=true",
-                                              "runtime.teacher_sharding=fsdp"]
+CASES["full-chunk1-unpadded-fsdp_teacher-checkpointed"] = [  # S1 checkpoints activations
+    "runtime.logprob_chunk=1", "runtime.unpadded_rows=true", "runtime.teacher_sharding=fsdp",
+    "runtime.grad_checkpointing=true"]
 
 
 @pytest.fixture(scope="module")
