@@ -82,11 +82,15 @@ for kv in "$@"; do args+=(-S "$kv"); done
 if ((NPROC > 1)); then
     # torchrun reports any worker failure as 1: check inputs and the lock first, so that bad input
     # is still 2 and a held OUTPUT_DIR still 75.
-    check_status=0
-    "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
+    check_status=0  # WORLD_SIZE: the checks for NPROC processes (prompts per rank, engines)
+    WORLD_SIZE="$NPROC" "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
     if ((check_status != 0)); then exit "$check_status"; fi
     # --standalone: a rendezvous on a free local port, so two runs on one machine do not collide on 29500
     cmd=(torchrun --standalone --nproc-per-node "$NPROC" -m opdkit "${args[@]}")
+    # torchrun passes a stop signal to every rank, then kills them after this grace (its default, 30 s, is
+    # shorter than a step plus saving a large state); a rank stuck in a collective ends first, at
+    # runtime.collective_timeout_s (300 s)
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 else
     cmd=("$PYTHON" -m opdkit "${args[@]}")
 fi

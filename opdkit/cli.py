@@ -1,7 +1,8 @@
 """Command line: ``opdkit <command> [-p params.yaml] [-S key=value ...]``.
 
 Exit statuses: 0 success; 1 a failure during the work (the message says which checkpoints
-survive: a crash, a full or read-only disk, out of memory, a publish error); 2 bad input (one line
+survive: a crash, a full or read-only disk, out of memory, a publish error, a collective of a torchrun
+rank that timed out or lost its peer); 2 bad input (one line
 naming the file/key and what was expected, nothing written); 3 values went non-finite (nothing
 non-finite is saved or published); 75 the output directory is locked by another run; 128+N
 stopped by signal N (SIGINT, SIGTERM: after the step in flight, its state and checkpoint saved).
@@ -164,7 +165,8 @@ def cmd_train(args) -> int:
     from opdkit.guards import NonFiniteError, OutOfMemory
     from opdkit.interrupt import stop_on_signals
     from opdkit.publish import PublishError
-    from opdkit.train import preflight, state_file, train
+    from opdkit.train import preflight, train
+    from opdkit.trainer_state import find as find_state
 
     if args.check:
         inputs = preflight(cfg, out)
@@ -195,12 +197,12 @@ def cmd_train(args) -> int:
             return EXIT_NONFINITE
         raise
     except NonFiniteError as e:
-        state = state_file(cfg, out)
-        kept = (f"the trainer state {state} is the last good one (a rerun resumes from it)" if state.is_file() else
+        state = find_state(out, cfg.runtime.state_dir)
+        kept = (f"the trainer state {state} is the last good one (a rerun resumes from it)" if state else
                 "no trainer state was saved before (a rerun starts from the beginning)")
         print(f"opdkit: training stopped: {e}; {kept}; {survivors()}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (OutOfMemory, StorageError) as e:
+    except (OutOfMemory, StorageError, distributed.CollectiveFailure) as e:
         print(f"opdkit: training failed: {e}; {survivors()}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as e:  # a crash: the traceback, then what survives (never exit 0)

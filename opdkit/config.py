@@ -198,6 +198,9 @@ class RuntimeConfig:
     # training holds it shared, `opdkit eval` exclusively; a conflicting command exits 75.
     # auto: on CUDA devices | always (CPU runs too) | never
     device_lock: str = "auto"
+    # torchrun: a collective that waits longer than this for another rank ends the run (exit 1, run.json
+    # names the phase); it must exceed the longest legitimate wait (a rank's rollout outlasting another's)
+    collective_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)

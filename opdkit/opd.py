@@ -6,7 +6,8 @@ Each can be called from a notebook. The training loop (``opdkit.train``) strings
 micro-batches and calls ``backward`` itself, chunk by chunk over positions: the student's final
 hidden states are computed once with grad, then each chunk's logits -> loss -> backward runs on a
 detached copy, and the accumulated hidden-state gradient is pushed through the decoder at the
-end. Only one chunk of (B, C, V) logits exists at a time, for any loss.
+end. Only one chunk of (B, C, V) logits exists at a time, for any loss; on a sharded student the
+number of chunks changes no collective (see ``micro_losses``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from opdkit.config import Config
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.sampling import policy_logits, sample_seed
 from opdkit.engines.select import engine_name
+from opdkit.sharding import check_same_on_ranks, deferred_grad_sync, layers_gathered
 from opdkit.teacher import (AlignmentError, Geometry, build_geometry, build_right_padded_geometry, check_alignment,
                             completion_hidden, token_logprobs, topk_logprobs, unwrap)
 
@@ -235,9 +237,15 @@ def micro_slices(cfg: Config, batch: Batch) -> list[slice]:
 
 
 def score_batch(cfg: Config, teacher, batch: Batch, autocast, teacher_ctx_manager=contextlib.nullcontext) -> list:
-    """Teacher scoring of every micro-batch of the step (no grad)."""
+    """Teacher scoring of every micro-batch of the step (no grad). A sharded teacher scoring row by
+    row (``runtime.unpadded_rows``) gathers each layer once per micro-batch, not once per row."""
+    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
+    out = []
     with autocast():
-        return [teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager) for rows in micro_slices(cfg, batch)]
+        for rows in micro_slices(cfg, batch):
+            with gather_once(teacher):
+                out.append(teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager))
+    return out
 
 
 def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n_tokens: float | None = None) -> dict:
@@ -247,24 +255,40 @@ def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n
     ``student``'s parameters; the loss is the token mean over the whole step (every micro-batch
     divides by the step's token count). ``n_tokens`` overrides that count: a rank of a sharded run
     holds part of the step and passes the global count / world size (FSDP averages over ranks).
+
+    Per micro-batch: the decoder's forward with grad (row by row with ``runtime.unpadded_rows``),
+    then each position chunk's head -> loss -> backward on a detached copy of the hidden states,
+    then one backward through the decoder with the accumulated hidden-state gradient. On a sharded
+    student that structure issues the same collectives on every rank, whatever its completion
+    lengths: the chunk backwards run under ``deferred_grad_sync`` (the head's gradient accumulates
+    where the root is gathered; no collective, however many chunks a rank's T makes), and the
+    decoder's backward reduce-scatters every gradient, the head's included, once; row by row, each
+    layer is gathered once for all rows (``layers_gathered``). Per micro-batch that is one
+    all-gather of the root, two of each layer (forward, backward) and one reduce-scatter of each
+    unit with trainable parameters.
     """
     ro = batch.rollout
     n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
     chunk = cfg.runtime.logprob_chunk
+    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
     parts, total = [], 0.0
     _, s_head = unwrap(student)
-    for rows, t_ctx in zip(micro_slices(cfg, batch), contexts):
-        with autocast():
+    slices = micro_slices(cfg, batch)
+    check_same_on_ranks(student, len(slices), "micro-batches")
+    for rows, t_ctx in zip(slices, contexts):
+        with autocast(), gather_once(student):
             h_B_T_H = completion_hidden(student, student_geometry(batch, rows), cfg.runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
-        for s in range(0, h_leaf.shape[1], chunk):
-            sl = slice(s, s + chunk)
-            with autocast():
-                loss, m = _chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, ro, rows, n_tokens)
-            loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
-            total += float(loss.detach())
-            parts.append(m)
-        h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch
+        with deferred_grad_sync(student):
+            for s in range(0, h_leaf.shape[1], chunk):
+                sl = slice(s, s + chunk)
+                with autocast():
+                    loss, m = _chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, ro, rows, n_tokens)
+                loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
+                total += float(loss.detach())
+                parts.append(m)
+        with gather_once(student):
+            h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch: gradients reduced here
     out = _combine(parts)
     out["loss"] = total
     return out

@@ -5,12 +5,13 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
     config.yaml                       the resolved params of the latest start
     checkpoints/checkpoint-<step>/    complete HF exports, published atomically (newest publish.keep)
     metrics/train.jsonl               one JSON object per step
-    state/trainer_state.pt            what resume needs (weights or adapter, optimizer, step, data
-                                      position, RNG, elapsed wall time); written atomically (in
-                                      runtime.state_dir instead when it is set: run.sh's CKPT_DIR,
-                                      with a lock of its own)
+    state/trainer_state-<step>/       what resume needs (weights or adapter, optimizer, step, data
+                                      position, RNG, elapsed wall time); streamed, atomic
+                                      (``opdkit.trainer_state``; in runtime.state_dir instead when
+                                      it is set: run.sh's CKPT_DIR, with a lock of its own)
     run.json                          the latest start: running / completed / stopped (by a signal) /
-                                      failed (+ reason, step; ``nonfinite`` / ``out_of_memory``)
+                                      failed (+ reason, step; ``nonfinite`` / ``out_of_memory`` /
+                                      ``collective_failure``)
     .opdkit.lock                      held while a run writes here (a second run fails at once)
 
 Every input is validated before anything in the directory is created or changed. The trainer
@@ -44,7 +45,6 @@ and (when the wall budget is not spent) its checkpoint saved.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
@@ -58,19 +58,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd
+from opdkit import distributed, guards, interrupt, loss_table, opd, trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
-from opdkit.fsutil import (OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text,
-                           explain_storage_errors, retry_io)
+from opdkit.fsutil import OutputLock, atomic_write_json, atomic_write_text
 from opdkit.publish import Publisher
 from opdkit.weights_io import export_dtype, parse_size
 from opdkit.engines.base import left_pad
 from opdkit.engines.select import make_engine
 from opdkit.schedules import lr_at, wallclock_clock
-from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
+from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs, update_ema
 
-STATE_FILE = "state/trainer_state.pt"  # under the output directory, unless runtime.state_dir names another
 METRICS_FILE = "metrics/train.jsonl"
 RUN_FILE = "run.json"
 # Params sections that may change between the starts of one run; any other change would splice
@@ -89,11 +87,6 @@ class TrainResult:
     checkpoints: list[str]
 
 
-def state_file(cfg: Config, out: str | Path) -> Path:
-    """The trainer state's file: ``runtime.state_dir/trainer_state.pt``, else ``OUT/state/trainer_state.pt``."""
-    return Path(cfg.runtime.state_dir) / Path(STATE_FILE).name if cfg.runtime.state_dir else Path(out) / STATE_FILE
-
-
 def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = "shuffled") -> list[int]:
     """Rows ``start .. start+count-1`` of the data stream: a fresh seeded shuffle per epoch
     (``data.order=shuffled``), or the table's order, epoch after epoch (``stored``)."""
@@ -108,41 +101,7 @@ def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = 
     return out
 
 
-# --- trainer state ----------------------------------------------------------------------------
-
-
-def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log) -> None:
-    # every rank: gathering sharded weights is collective; rank 0 writes (one process's layout)
-    model = distributed.trainable_state(run.student)
-    optimizer = distributed.optimizer_state(run.student, run.optimizer)
-    ema = distributed.full_state_dict(run.ema) if run.ema is not None else None
-    if not distributed.current().is_main:
-        return
-    state = {
-        "step": step, "elapsed_s": elapsed, "data_pos": data_pos, "lr_clock_start_s": run.extras["lr_clock_start_s"],
-        "model": model, "optimizer": optimizer, "ema": ema,
-        "rng": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
-        "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint,
-    }  # fmt: skip
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    p, data, f = run.cfg.publish, buf.getvalue(), state_file(run.cfg, out)
-    with explain_storage_errors(f.parent, len(data), f"the trainer state at step {step}"):  # not retried
-        f.parent.mkdir(parents=True, exist_ok=True)
-        retry_io(lambda: atomic_write_bytes(f, data), retries=p.retries, backoff_s=p.backoff_s,
-                 what=f"saving the trainer state at step {step}", log=log)
-
-
-def _load_state(f: Path) -> dict | None:
-    """The saved trainer state in ``f`` (memory-mapped: cheap to peek at), or None for a fresh run."""
-    if not f.is_file():
-        return None
-    try:
-        return torch.load(f, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # written atomically, so this is damage from outside, not a crash of ours
-        raise RunError(f"trainer state {f} cannot be read ({type(e).__name__}: {e}); "
-                       "move it away to start this run from scratch, or use another output directory") from None
+# --- the output directory and resuming ---------------------------------------------------------
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -177,12 +136,12 @@ def _check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
     if out.exists() and not out.is_dir():
         raise RunError(f"output directory {out} exists and is not a directory")
-    state = _load_state(state_file(cfg, out))
+    state = trainer_state.peek(out, cfg.runtime.state_dir)
     if state is not None:
         _check_resumable(cfg, inputs, state, out)
     elif list_checkpoints(out / "checkpoints"):
         names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
-        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({state_file(cfg, out)}) to resume "
+        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume "
                        "them from; choose another output directory or remove the old checkpoints")
 
 
@@ -206,16 +165,6 @@ def _trim_metrics(out: Path, step: int) -> float:
             lost_elapsed = max(lost_elapsed, row.get("elapsed_s") or 0.0)
     atomic_write_text(f, "".join(ln + "\n" for ln in kept))
     return lost_elapsed
-
-
-def _restore(run: Run, state: dict) -> None:
-    load_trainable_state(run.student, state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    if run.ema is not None and state.get("ema"):
-        run.ema.load_state_dict(state["ema"])
-    torch.set_rng_state(state["rng"])
-    if state.get("rng_cuda") is not None and run.device.type == "cuda":
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
 
 
 # --- publishing and stopping ------------------------------------------------------------------
@@ -331,6 +280,10 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
                 return _train_locked(cfg, inputs, out, log, progress, t_start, world, at)
             except torch.OutOfMemoryError as e:
                 raise guards.out_of_memory(e, at) from e
+            except RuntimeError as e:  # torchrun: a collective timed out (runtime.collective_timeout_s) or lost a rank
+                if not distributed.is_collective_failure(e, world):
+                    raise
+                raise distributed.CollectiveFailure(at.step, at.phase, e, cfg.runtime.collective_timeout_s) from e
         except BaseException as e:
             if not world.is_main:
                 raise
@@ -345,13 +298,13 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
 
 def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
                   world: distributed.World, at: guards.StepProgress) -> TrainResult:
-    state = _load_state(state_file(cfg, out))  # again, now that no other run can change it
+    state = trainer_state.peek(out, cfg.runtime.state_dir)  # again, now that no other run can change it
     if state is not None:
         _check_resumable(cfg, inputs, state, out)
     step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
     seen = world.gather(step if state is not None else None)  # every rank restores the same state
     if len(set(seen)) > 1:
-        raise RunError(f"the ranks see different trainer states in {state_file(cfg, out)} (steps {seen}); with several "
+        raise RunError(f"the ranks see different trainer states in {trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several "
                        "nodes the output directory must be one shared directory")
     lost_elapsed = _trim_metrics(out, step) if world.is_main else 0.0
     elapsed0 = world.from_main(max(state["elapsed_s"], lost_elapsed) if state else 0.0)
@@ -360,7 +313,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size})
     log("resolved config:\n" + dump_yaml(cfg))
     if state is not None:
-        log(f"resuming from {state_file(cfg, out)}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
+        log(f"resuming from {state['path']}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
             + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
                if lost_elapsed > state["elapsed_s"] else ""))
         reason = _should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
@@ -375,7 +328,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     run.extras["lr_clock_start_s"] = state.get("lr_clock_start_s", 0.0) if state is not None else None
     run.extras["publish_dtype"] = export_dtype(cfg.publish.dtype, inputs.student_path)
     if state is not None:
-        _restore(run, state)  # unsharded, on every rank
+        trainer_state.restore(run, state)  # unsharded, on every rank
     del state
     if world.active:  # torchrun: shard the student (and teacher) over the ranks
         run = distributed.shard_run(run, world)
@@ -511,7 +464,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
                 at.phase = "publish"
                 publisher.wait()  # the previous export must have succeeded before we move the state on
-                _save_state(out, run, step, elapsed, data_pos, log)  # state first: see the module docstring
+                trainer_state.save(out, run, step, elapsed, data_pos, log)  # state first: see the module docstring
                 _publish(publisher, run, step, elapsed)
                 published_step = step
         # the intended end (also at step 0 when the wall budget is already spent): the final
@@ -521,7 +474,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         stopped = reason.startswith("SIG")
         if published_step != step and not (stopped and step == start_step):
             publisher.wait()
-            _save_state(out, run, step, elapsed, data_pos, log)
+            trainer_state.save(out, run, step, elapsed, data_pos, log)
             if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
                 log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
                     "(a rerun publishes it)")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opdkit import train as train_mod
+from opdkit import train as train_mod, trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.config import load_config
 from opdkit.setup import RunError
@@ -131,7 +131,7 @@ def test_a_wall_budget_spent_before_the_first_step_still_publishes_and_ends_clea
     assert (result.reason, result.step) == ("wall_clock", 0)
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["checkpoint-0"]
     assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-0") == (True, "ok")
-    assert (out / "state" / "trainer_state.pt").is_file()
+    assert trainer_state.peek(out)["step"] == 0
     again, logs = quiet_train(c, out)
     assert (again.reason, again.step) == ("wall_clock", 0) and "nothing to do" in logs
 
@@ -219,7 +219,7 @@ def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(
     # what a SIGKILL leaves: only complete checkpoints (a half-written one is a hidden temp dir)
     for c in list_checkpoints(out / "checkpoints"):
         assert is_valid_checkpoint(c) == (True, "ok"), c
-    assert (out / "state" / "trainer_state.pt").is_file() == has_state
+    assert (trainer_state.find(out) is not None) == has_state
 
     # the same command again (run.sh's own exit-0 check is exercised by the run.sh trial)
     again = (["bash", str(REPO / "run.sh"), *KILL_ARGS] if how == "run.sh" else

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from opdkit import trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
 from procs import env
@@ -75,7 +75,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
     # a step starts only if it is expected to end (as long as the last one) before the reserve
     for r in rows[:-1]:
         assert r["elapsed_s"] + r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"] + 4 < 14
-    assert (out / "state" / "trainer_state.pt").is_file()
+    assert trainer_state.peek(out)["step"] == run["step"]
 
     again = run_sh(tmp_path, *args, **{**env_vars, "EXPERIMENT_NAME": "renamed"})  # a label: resumes all the same
     assert again.returncode == 0, again.stderr[-3000:]
@@ -190,7 +190,7 @@ def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_pat
     assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     assert not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
     # the step in flight finished: it has a metrics row, the trainer state and the newest checkpoint
-    state = torch.load(out / "state" / "trainer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    state = trainer_state.peek(out)
     assert metric_steps(out)[-1] == run["step"] == state["step"] == int(ckpts[-1].name.split("-")[1])
 
 
@@ -218,13 +218,13 @@ def test_bash_run_sh_with_only_the_orchestrators_variables_is_s1s_formal_replay(
                                                                      str(fx / "data" / "train.parquet"))
     assert (cfg.budget.max_wall_time_s, cfg.budget.deadline_reserve_s, cfg.experiment_name) == (2.0, 1.0, "s1 formal")
     # CKPT_DIR holds the trainer state, under its own lock; OUTPUT_DIR the exports and the record
-    assert cfg.runtime.state_dir == str(ckpt) and (ckpt / "trainer_state.pt").is_file()
+    assert cfg.runtime.state_dir == str(ckpt) and (ckpt / "trainer_state-0" / "meta.pt").is_file()
     assert not (out / "state").exists() and (out / "checkpoints" / "checkpoint-0").is_dir()
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["reason"], run["step"]) == ("completed", "wall_clock", 0)
     # the same OUTPUT_DIR and CKPT_DIR again: the run resumes from CKPT_DIR's state and has nothing to do
     again = run_sh(tmp_path, timeout=600, **orchestrator)
-    assert again.returncode == 0 and f"resuming from {ckpt / 'trainer_state.pt'}" in again.stdout, again.stderr[-2000:]
+    assert again.returncode == 0 and f"resuming from {ckpt / 'trainer_state-0'}" in again.stdout, again.stderr[-2000:]
 
 
 def _argv_of_run_sh(tmp_path, *args, **env_vars) -> tuple[subprocess.CompletedProcess, list[str]]:
