@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TEACHER_NEEDS = ("none", "token", "topk", "full")  # what the teacher scores, cheapest first
+TEACHER_NEEDS = ("none", "recorded", "token", "topk", "full")  # what the teacher scores, cheapest first
 _TOKEN = ("logp_B_T", "old_logp_B_T", "teacher_logp_B_T", "mask_B_T", "n_tokens")
 _FULL = ("logits_B_T_V", "teacher_logp_B_T_V", "mask_B_T", "n_tokens")
 _CLIP_METRICS = ("kl", "fkl", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
@@ -87,9 +87,20 @@ def samples_from(L) -> str:
     return L.sft_source if L.name == "sft" else "student"
 
 
-def teacher_need(L) -> str:
-    """What the teacher scores for loss config ``L`` (the sft control on references: nothing)."""
-    return "none" if samples_from(L) == "reference" else spec(L.name).teacher
+def teacher_need(L, R) -> str:
+    """What the teacher scores for loss config ``L`` and rollout config ``R``: the loss's ``teacher``,
+    except for the sft control: on references nothing (``none``); on teacher samples drawn at
+    temperature 1 and top-p 1 nothing either (``recorded``): the log-prob the rollout recorded for
+    each sampled token is then the teacher's own (the engines record it under the policy that
+    sampled, which is the teacher's untempered, untruncated distribution), so its ``kl`` metric
+    reads those instead of a second teacher pass. At other rollout settings the recorded value is
+    the tempered or truncated policy's, not the teacher's: the teacher scores its samples (``token``)."""
+    source = samples_from(L)
+    if source == "reference":
+        return "none"
+    if source == "teacher" and R.temperature == 1.0 and R.top_p >= 1.0:
+        return "recorded"
+    return spec(L.name).teacher
 
 
 def help_text() -> str:
