@@ -362,7 +362,7 @@ def test_dvc_repro_on_tiny_params(tmp_path):
 
 def test_calibration_takes_the_median_step_and_matches_the_baseline_wall_clock():
     from opdkit.config import load_config
-    from opdkit.stages.calibrate import seconds_per_step, wall_matched
+    from opdkit.stages.calibrate import seconds_per_step, stage_seconds, wall_matched
 
     rows = [{"step": i + 1, "elapsed_s": t} for i, t in enumerate([9.0, 10.0, 11.5, 12.0, 14.0])]
     assert seconds_per_step(rows, skip=1) == 1.5  # steps of 1.0 | 1.5, 0.5, 2.0 -> median 1.5
@@ -371,3 +371,6 @@ def test_calibration_takes_the_median_step_and_matches_the_baseline_wall_clock()
     cfg = load_config(None, ["budget.max_steps=120"])
     assert wall_matched(cfg, s_baseline=1.0, s_arm=0.5, every_points=4) == (240, 60)  # twice as fast: 240 steps
     assert wall_matched(cfg, s_baseline=1.0, s_arm=0.09, every_points=4) == (1333, 334)  # 120 / 0.09 = 1333.3
+    # the train stage's runs, longest first on free processes: 6 runs of 100 s and 3 of 10 s
+    runs = [100.0] * 6 + [10.0] * 3
+    assert stage_seconds(runs, 8) == 100.0 and stage_seconds(runs, 2) == 320.0 and stage_seconds(runs, 1) == 630.0
