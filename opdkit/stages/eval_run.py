@@ -1,4 +1,6 @@
-"""DVC stages ``eval`` / ``eval_control``: evaluate every kept checkpoint of one training run.
+"""Evaluate every kept checkpoint of one training run (the pipeline's ``eval`` stage,
+``opdkit.stages.eval_runs``, runs the same commands for every run side by side, and its curves with
+``write_curve``).
 
 The final checkpoint (``checkpoint-<--steps>``, which must be the run's last) is evaluated into
 ``--out`` exactly as ``opdkit eval --model it --out OUT`` writes it (this driver calls that command, in
