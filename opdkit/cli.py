@@ -145,6 +145,8 @@ def cmd_train(args) -> int:
 
     if args.check:
         inputs = preflight(cfg, out)
+        for w in inputs.warnings:
+            print(f"warning: {w.check}: {w.detail}")
         print(f"inputs ok: student {inputs.student_path}, teacher {inputs.teacher_path}, data {inputs.train_path} "
               f"({len(inputs.examples)} rows); {out} is free")
         return 0
@@ -199,6 +201,22 @@ def cmd_validate(args) -> int:
         print(f"{d}: {'valid' if ok else 'INVALID: ' + reason}")
         all_ok &= ok
     return 0 if all_ok else EXIT_FAILURE
+
+
+def cmd_doctor(args) -> int:
+    """The pair's pre-flight checks as one table; exit 1 on any FAIL (2: bad arguments). Writes nothing."""
+    cfg = _config(args)
+    _quiet_datasets()
+    from transformers.utils import logging as hf_logging
+
+    from opdkit.doctor import diagnose, format_table, with_pair
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars between the doctor's own lines
+    cfg = with_pair(cfg, args.student, args.teacher, args.data)
+    log = (lambda _: None) if args.quiet else (lambda msg: print(f"doctor: {msg}", file=sys.stderr, flush=True))
+    findings = diagnose(cfg, log)
+    print(format_table(findings))
+    return EXIT_FAILURE if any(f.status == "FAIL" for f in findings) else 0
 
 
 def cmd_study(args) -> int:
@@ -271,6 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="exit 0 if DIR is a complete loadable checkpoint (each DIR, if several)")
     p.add_argument("dir", nargs="+")
     p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("doctor", help="pre-flight checks that a student/teacher pair will work: one table of OK / WARN / "
+                       "FAIL lines with the fixes (exit 1 on any FAIL); writes nothing")
+    p.add_argument("--student", default=None, metavar="DIR", help="student model directory (default: student.path)")
+    p.add_argument("--teacher", default=None, metavar="DIR", help="teacher model directory (default: teacher.path)")
+    p.add_argument("--data", default=None, metavar="FILE", help="training data, parquet/jsonl (default: data.train)")
+    _add_params(p)
+    p.set_defaults(fn=cmd_doctor)
 
     p = sub.add_parser("study", help="mechanism studies")
     p.add_argument("which", choices=["padding", "clipped-mass"])

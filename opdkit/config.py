@@ -170,6 +170,16 @@ class StudiesConfig:
 
 
 @dataclass(frozen=True)
+class DoctorConfig:
+    """``opdkit doctor``'s live checks run on one batch of the student's rollouts: the first
+    ``n_prompts`` prompts of the data, one sample each, at most ``max_new_tokens`` tokens (and at
+    most ``rollout.max_new_tokens``), at ``rollout.temperature`` / ``rollout.top_p``."""
+
+    n_prompts: int = 4
+    max_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
 class ControlArm:
     """A supervised control arm of the pipeline (``loss.name=sft``), trained over ``pipeline.seeds``
     beside the OPD arms; its runs are ``runs/train/<name>/seed<n>`` and its evals are tagged ``arm=<name>``."""
@@ -252,6 +262,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     studies: StudiesConfig = field(default_factory=StudiesConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
 

@@ -27,7 +27,7 @@ class InspectedSample:
 
     prompt: str
     tokens: list[str]  # T_b decoded completion tokens (through EOS)
-    logp_student: list[float]  # T_b: log p_S(token) recomputed by the student (temperature 1)
+    logp_student: list[float]  # T_b: log p_S(token) recomputed under the sampling policy (its temperature, top-p)
     logp_teacher: list[float]  # T_b: log p_T(token)
     truncated: bool
 
@@ -55,7 +55,8 @@ def inspect_rollouts(student, teacher, tokenizer, prompts: list[list[int]], *, s
     ids_B_T = ro.completion_ids_B_T
     _, s_head = unwrap(student)
     _, t_head = unwrap(teacher)
-    logp_s_B_T = token_logprobs(s_head, completion_hidden(student, opd.student_geometry(batch)), ids_B_T, chunk)
+    logp_s_B_T = token_logprobs(s_head, completion_hidden(student, opd.student_geometry(batch)), ids_B_T, chunk,
+                                temperature, top_p)  # the student policy OPD differentiates (loss_table)
     logp_t_B_T = token_logprobs(t_head, completion_hidden(teacher, opd.teacher_geometry(batch)), ids_B_T, chunk)
     lengths_B = ro.completion_mask_B_T.sum(dim=1).long().tolist()
     out = []

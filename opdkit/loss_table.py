@@ -6,12 +6,32 @@ it to decide what the teacher scores (``teacher``), which tensors the loss funct
 run checks (``opdkit.setup``), the loop (``opdkit.train``) and the CLI help read it too. The loss
 functions themselves are pure tensor functions in ``opdkit.losses``.
 
+The policies (one convention, the same in every engine and in the update; ``opdkit train --help``
+and the README say it too):
+
+- p_S, the student policy every loss differentiates (``update_policy``): the one the rollout
+  samples, softmax(z / τ) of the student's logits z over the tokenizer's ids at τ =
+  ``rollout.temperature``, truncated to the top-p nucleus S of ``rollout.top_p`` and renormalised
+  (``engines.sampling.policy_logits``; greedy, τ = 0: the model's own softmax). The engines record
+  log p_S of each sampled token (``old_logp_B_T``), so the importance ratio p_S / p_sampler of
+  k1/k2/k3 is that of the policy that really sampled. S is recomputed from the current logits
+  in the update; ids outside it have p_S = 0 and get no gradient, and a sampled token that falls
+  outside it (rounding at the nucleus' edge) has weight 0. The sft control is supervised NLL of
+  the model itself (τ = 1, no top-p), whatever the rollout settings.
+- p_T, the teacher: its own distribution, softmax of its logits at temperature 1 over the
+  tokenizer's ids, untruncated: the target the divergences compare p_S with.
+
+With top-p < 1, p_S is 0 outside S, so a divergence with the teacher first (k3, fkl, topk_fkl;
+KL(p_T || p_S) would be infinite) is taken over S: sum_{v in S} p_T(v) log(p_T(v) / p_S(v)), whose
+gradient is p_T(S) ∇KL(p_T|S || p_S) (p_T|S: the teacher renormalised over S; S is locally constant).
+At top-p = 1 (S = every id) that is the forward KL itself.
+
 Input names (``LossSpec.inputs``), per micro-batch chunk of completion positions:
 
-- ``logp_B_T``: student log-probs of the sampled tokens (with grad)
-- ``old_logp_B_T``: sampling-time log-probs of the same tokens (the importance-weight reference)
+- ``logp_B_T``: log p_S of the sampled tokens (with grad)
+- ``old_logp_B_T``: sampling-time log p_S of the same tokens (the importance-weight reference)
 - ``teacher_logp_B_T``: teacher log-probs of the same tokens
-- ``logits_B_T_V``: student logits (with grad)
+- ``logits_B_T_V``: the student policy's logits (with grad): z / τ, -inf outside the nucleus
 - ``teacher_logp_B_T_V``: teacher log-probs over the vocabulary
 - ``topk_ids_B_T_K``, ``topk_logp_B_T_K``: the teacher's top-K ids and their log-probs
 - ``mask_B_T``, ``n_tokens``: completion mask; masked-in tokens of the whole step
@@ -22,6 +42,7 @@ This module imports nothing heavy (the config validation reads it).
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,22 +108,38 @@ def samples_from(L) -> str:
     return L.sft_source if L.name == "sft" else "student"
 
 
+def update_policy(L, R) -> tuple[float, float]:
+    """(temperature, top_p) of the student policy p_S that loss config ``L`` differentiates, for
+    rollout config ``R``: the rollout's own (the policy it samples; module docstring), except for
+    the sft control, which trains the model itself (1.0, 1.0)."""
+    return (1.0, 1.0) if L.name == "sft" else (R.temperature, R.top_p)
+
+
 def teacher_need(L, R) -> str:
     """What the teacher scores for loss config ``L`` and rollout config ``R``: the loss's ``teacher``,
     except for the sft control: on references nothing (``none``); on teacher samples drawn at
-    temperature 1 and top-p 1 nothing either (``recorded``): the log-prob the rollout recorded for
-    each sampled token is then the teacher's own (the engines record it under the policy that
-    sampled, which is the teacher's untempered, untruncated distribution), so its ``kl`` metric
-    reads those instead of a second teacher pass. At other rollout settings the recorded value is
-    the tempered or truncated policy's, not the teacher's: the teacher scores its samples (``token``)."""
+    temperature 1 and top-p 1 (or greedily) nothing either (``recorded``): the engines record log π of
+    each sampled token under the policy that sampled it (module docstring), here the teacher's own
+    distribution, so its ``kl`` metric reads those instead of a second teacher pass. At other rollout
+    settings the recorded value is the tempered or truncated policy's, not the teacher's: the teacher
+    scores its samples (``token``)."""
     source = samples_from(L)
     if source == "reference":
         return "none"
-    if source == "teacher" and R.temperature == 1.0 and R.top_p >= 1.0:
+    if source == "teacher" and (R.temperature <= 0 or (R.temperature == 1.0 and R.top_p >= 1.0)):
         return "recorded"
     return spec(L.name).teacher
 
 
+CONVENTION = (
+    "p_S is the policy the rollout samples: softmax(logits / rollout.temperature) over the tokenizer's ids, "
+    "truncated to the rollout.top_p nucleus (greedy: temperature 1); the engines record log p_S of each sampled "
+    "token and every loss differentiates log p_S computed the same way (sft: the model itself, temperature 1). p_T "
+    "is the teacher's own distribution (temperature 1, no top-p). With top-p < 1 the teacher-first divergences "
+    "(k3, fkl, topk_fkl) run over the student's nucleus.")
+
+
 def help_text() -> str:
-    """One line per loss: name, what it is, the divergence its expected gradient follows."""
-    return "\n".join(f"  {s.name:9s}{s.summary}; gradient of {s.divergence}" for s in LOSSES.values())
+    """One line per loss: name, what it is, the divergence its expected gradient follows; then the convention."""
+    lines = [f"  {s.name:9s}{s.summary}; gradient of {s.divergence}" for s in LOSSES.values()]
+    return "\n".join(lines) + "\n\n" + textwrap.fill(CONVENTION, 100, initial_indent="  ", subsequent_indent="  ")

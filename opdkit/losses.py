@@ -12,7 +12,9 @@ gradient over the student's samples is the gradient of the divergence its docstr
 
 (defined in ``opdkit.token_losses``, re-exported here).
 
-Full-distribution losses (student logits and teacher log-probs over the vocabulary, ``*_B_T_V``):
+Full-distribution losses (the student policy's logits and teacher log-probs over the vocabulary,
+``*_B_T_V``; p_S is the tempered, top-p-truncated student policy, -inf logits outside its nucleus
+S, see ``opdkit.loss_table``; with top-p < 1 the forward-KL sums run over S):
 
 - ``fkl_loss``: forward KL(p_T || p_S) per position (mode-covering).
 - ``rkl_loss``: reverse KL(p_S || p_T) per position (mode-seeking), exact over the vocabulary.
@@ -76,15 +78,18 @@ def clipped_mass(teacher_logp_B_T_V: Tensor, clipped_mask_B_T_V: Tensor, mask_B_
 
 
 def _fkl_terms(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """Summands p_T (log p_T - log p_S) of KL(p_T || p_S) over the last axis (0 where p_T = 0)."""
+    """Summands p_T (log p_T - log p_S) of KL(p_T || p_S) over the last axis: 0 where p_T = 0, and
+    over the student's support only (0 where log p_S = -inf: outside its top-p nucleus)."""
     p_T = teacher_logp.exp()
-    return torch.where(p_T > 0, p_T * (teacher_logp - student_logp), torch.zeros_like(p_T))
+    keep = (p_T > 0) & (student_logp != float("-inf"))
+    return torch.where(keep, p_T * (teacher_logp - student_logp), torch.zeros_like(p_T))
 
 
 def _rkl_terms(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """Summands p_S (log p_S - log p_T) of KL(p_S || p_T) over the last axis (0 where p_S = 0)."""
+    """Summands p_S (log p_S - log p_T) of KL(p_S || p_T) over the last axis (0 where p_S = 0; the
+    difference is zeroed there before the product, so log p_S = -inf gives no inf * 0 in the gradient)."""
     p_S = student_logp.exp()
-    return torch.where(p_S > 0, p_S * (student_logp - teacher_logp), torch.zeros_like(p_S))
+    return p_S * torch.where(p_S > 0, student_logp - teacher_logp, torch.zeros_like(p_S))
 
 
 def _jsd_terms(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tensor:

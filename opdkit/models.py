@@ -67,25 +67,6 @@ def setup_torch(rt: RuntimeConfig) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
-def check_chat_template(path: str | Path, what: str = "model") -> None:
-    """``data.chat_template=true`` needs a chat template where transformers looks for one:
-    ``chat_template`` in tokenizer_config.json, chat_template.jinja / .json, or
-    additional_chat_templates/ (checked from the files, before anything is loaded)."""
-    p = Path(path)
-    cfg_file = p / "tokenizer_config.json"
-    in_config = False
-    if cfg_file.is_file():
-        try:
-            in_config = bool(json.loads(cfg_file.read_text()).get("chat_template"))
-        except (json.JSONDecodeError, AttributeError):
-            raise ModelError(f"{what} directory {p}: tokenizer_config.json is not a JSON object") from None
-    files = [p / "chat_template.jinja", p / "chat_template.json", p / "additional_chat_templates"]
-    if not in_config and not any(f.exists() for f in files):
-        raise ModelError(f"{what} directory {p}: data.chat_template=true but the tokenizer has no chat template "
-                         "(expected 'chat_template' in tokenizer_config.json, or chat_template.jinja); "
-                         "add one, or set data.chat_template=false (prompts are then plain text)")
-
-
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
@@ -152,23 +133,6 @@ def random_model(config, device: torch.device | str = "cpu", dtype: torch.dtype 
     return model
 
 
-def check_same_vocab(student_tok, teacher_tok, student_dir: str | Path = "", teacher_dir: str | Path = "") -> None:
-    """Teacher and student must share token ids; else name the first mismatch (and the dirs)."""
-    sv, tv = student_tok.get_vocab(), teacher_tok.get_vocab()
-    if sv == tv:
-        return
-    by_id_s = {i: t for t, i in sv.items()}
-    by_id_t = {i: t for t, i in tv.items()}
-    where = f" ({student_dir} vs {teacher_dir})" if student_dir or teacher_dir else ""
-    for i in sorted(set(by_id_s) | set(by_id_t)):
-        if by_id_s.get(i) != by_id_t.get(i):
-            raise ModelError(
-                f"teacher and student tokenizers disagree{where}: token id {i} is {by_id_s.get(i)!r} for the student "
-                f"and {by_id_t.get(i)!r} for the teacher (sizes {len(sv)} vs {len(tv)}); OPD needs one vocabulary "
-                "(embedding rows past the tokenizer's ids may differ, the ids themselves may not)"
-            )
-
-
 def tokenizer_ids(tok) -> int:
     """How many ids the tokenizer can emit: ``0 .. n-1`` (added tokens included)."""
     return max(len(tok), max(tok.get_vocab().values()) + 1)
@@ -192,32 +156,3 @@ def config_rows(path: str | Path) -> dict[str, int]:
 def model_rows(model) -> dict[str, int]:
     """Rows of a loaded model's input and output embeddings."""
     return {"input": model.get_input_embeddings().weight.shape[0], "output": model.get_output_embeddings().weight.shape[0]}
-
-
-def check_vocab_rows(tok, rows: dict[str, int], path: str | Path, what: str = "model") -> int:
-    """Every id the tokenizer can emit must have a row in the model's input and output
-    embeddings (``rows``: ``config_rows`` or ``model_rows``); returns the output rows (rows past
-    the tokenizer's ids are padding)."""
-    n = tokenizer_ids(tok)
-    for kind, r in rows.items():
-        if r < n:
-            raise ModelError(f"{what} directory {path}: its {kind} embedding has {r:,} rows but the tokenizer can emit "
-                             f"ids 0..{n - 1:,}; expected at least {n:,} rows (a model and tokenizer of one family)")
-    return rows["output"]
-
-
-def use_shared_vocab(tok, models: dict[str, tuple[str | Path, torch.nn.Module]], log=print) -> int:
-    """Check each model's rows against the tokenizer, then score every model over the shared
-    vocabulary (the tokenizer's ids; padding rows excluded, log-probs renormalised over it) and
-    say so. ``models``: what -> (directory, model), before any LoRA wrapping. Returns n."""
-    from opdkit.teacher import restrict_vocab
-
-    n = tokenizer_ids(tok)
-    rows = {what: check_vocab_rows(tok, model_rows(model), path, what) for what, (path, model) in models.items()}
-    for _, model in models.values():
-        restrict_vocab(model, n)
-    if any(r != n for r in rows.values()):
-        sizes = ", ".join(f"{what} {r:,}" for what, r in rows.items())
-        log(f"shared vocabulary: scoring over the tokenizer's {n:,} ids; embedding rows {sizes}: the padding rows "
-            "past them are excluded and log-probs renormalised over the shared ids")
-    return n

@@ -19,7 +19,7 @@ import torch
 from opdkit import loss_table, losses
 from opdkit.config import Config
 from opdkit.engines.base import Rollout, left_pad
-from opdkit.engines.sampling import sample_seed
+from opdkit.engines.sampling import policy_logits, sample_seed
 from opdkit.engines.select import engine_name
 from opdkit.teacher import (AlignmentError, Geometry, build_geometry, check_alignment, completion_hidden,
                             token_logprobs, topk_logprobs, unwrap)
@@ -84,15 +84,20 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
     1. Layout (``check_alignment``) of the student's and the teacher's scored sequences: the
        scored columns hold the sampled tokens, no pad between prompt and completion, positions
        continuing the prompt's.
-    2. The student's log-probs of the sampled tokens recomputed as the loss computes them must
-       equal the sampling-time ones (``Rollout.sampling_logp_B_T``) within
-       ``alignment_tolerance`` (max and mean over tokens): a sampler that saw other positions,
-       other context or other logits (a penalty, a processor the recompute does not apply) fails.
+    2. The student's log-probs of the sampled tokens recomputed as the loss computes them (log π
+       at ``rollout.temperature`` / ``top_p``) must equal the sampling-time ones
+       (``Rollout.sampling_logp_B_T``) within ``alignment_tolerance`` (max and mean over tokens): a
+       sampler that saw other positions, other context or other logits (a penalty, a processor
+       the recompute does not apply, another temperature) fails. A sampled token that the
+       recompute puts outside its top-p nucleus (π = 0: a token at the nucleus' edge, moved by
+       rounding) is left out of those figures and counted (``*_outside_nucleus_frac``); their
+       share may not exceed the mean tolerance either.
     3. With ``teacher.source=model`` the teacher's input is scored by the sampling policy
        through the teacher's path and must match the same way: a teacher that sees the
        completion shifted, or another prompt, fails.
-    Returns the counts and ``recompute_max_abs_dlogp`` / ``recompute_mean_abs_dlogp`` (and
-    ``teacher_path_*``). Call it under the step's autocast, on a batch sampled by ``student``.
+    Returns the counts and ``recompute_max_abs_dlogp`` / ``recompute_mean_abs_dlogp`` /
+    ``recompute_outside_nucleus_frac`` (and ``teacher_path_*``). Call it under the step's
+    autocast, on a batch sampled by ``student``.
     """
     ro = batch.rollout
     out = check_alignment(student_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T, ro.prompt_mask_B_Sp)
@@ -106,20 +111,27 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
                                                           "(scored by the student through the teacher's path)")
     m_B_T = ro.completion_mask_B_T.bool()
     _, head = unwrap(student)
+    temperature, top_p = loss_table.update_policy(cfg.loss, cfg.rollout)
     for key, (g, what) in paths.items():
         with torch.no_grad():
             h_B_T_H = completion_hidden(student, g, cfg.runtime.unpadded_rows)
-            logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, cfg.runtime.logprob_chunk)
-        d_N = (logp_B_T - ro.sampling_logp_B_T)[m_B_T].abs()  # N masked-in tokens
+            logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, cfg.runtime.logprob_chunk, temperature,
+                                      top_p)
+        inside_N = logp_B_T[m_B_T] != float("-inf")  # N masked-in tokens; NaN counts as inside (and fails below)
+        d_N = (logp_B_T[m_B_T] - ro.sampling_logp_B_T[m_B_T])[inside_N].abs()
         d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
+        outside = float((~inside_N).float().mean()) if inside_N.numel() else 0.0
         out[f"{key}_max_abs_dlogp"], out[f"{key}_mean_abs_dlogp"] = d_max, d_mean
-        if not (d_max <= tol_max and d_mean <= tol_mean):  # NaN fails too
+        out[f"{key}_outside_nucleus_frac"] = outside
+        if not (d_max <= tol_max and d_mean <= tol_mean and outside <= tol_mean):  # NaN fails too
+            dt = str(dtype).replace("torch.", "")
             raise AlignmentError(
-                f"alignment check failed on the first batch: {what} differ from the sampling-time ones by up to {d_max:.3g} (mean {d_mean:.3g}); allowed at {str(dtype).replace('torch.', '')} "
-                f"compute: {tol_max:g} (mean {tol_mean:g}), params runtime.alignment_tol_fp32/_bf16. The scorer does "
-                "not see the tokens where the sampler did: prompt padding or positions, a shifted completion, or a "
-                "sampling setting (e.g. a repetition penalty) the recompute does not apply. "
-                "runtime.alignment_check=false skips this check")
+                f"alignment check failed on the first batch: {what} differ from the sampling-time ones by up to "
+                f"{d_max:.3g} (mean {d_mean:.3g}; a share {outside:.3g} outside the recomputed top-p nucleus); allowed "
+                f"at {dt} compute: {tol_max:g} (mean and share {tol_mean:g}), params runtime.alignment_tol_fp32/_bf16. "
+                "The scorer does not see the tokens where the sampler did: prompt padding or positions, a shifted "
+                "completion, or a sampling setting (e.g. a repetition penalty, another temperature) the recompute "
+                "does not apply. runtime.alignment_check=false skips this check")
     return out
 
 
@@ -142,7 +154,8 @@ def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, ro: Rollout, rows: sl
     L = cfg.loss
     spec = loss_table.spec(L.name)
     ids_B_C = ro.completion_ids_B_T[rows, sl]
-    logits_B_C_V = s_head(h_s_B_C_H).float()
+    # the student policy the loss differentiates (loss_table.update_policy): tempered, top-p-truncated
+    logits_B_C_V = policy_logits(s_head(h_s_B_C_H).float(), *loss_table.update_policy(L, cfg.rollout))
 
     def teacher_full_B_C_V():
         with torch.no_grad():

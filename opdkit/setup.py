@@ -1,8 +1,9 @@
 """Everything a run needs before its first step, checked before anything is written.
 
-``prepare_inputs`` validates paths, data and params (so a bad input fails with one clear line and
-leaves the output directory untouched); ``build_run`` loads models, wraps LoRA, makes the
-optimizer and the teacher source.
+``prepare_inputs`` validates params, then paths, data and the pair (``opdkit.pairs``, the checks
+``opdkit doctor`` runs too), so a bad input fails with one clear line and leaves the output
+directory untouched; ``build_run`` loads models, wraps LoRA, makes the optimizer and the teacher
+source.
 """
 
 from __future__ import annotations
@@ -16,27 +17,17 @@ from pathlib import Path
 
 import torch
 
-from opdkit import loss_table, paths
+from opdkit import loss_table, pairs
 from opdkit.config import Config
-from opdkit.data import Example, encode_prompt, fingerprint, load_examples
+from opdkit.data import Example, encode_prompt
 from opdkit.engines.weights import export_state_dict as _merged_state_dict
-from opdkit.models import (check_chat_template, check_model_dir, check_same_vocab, check_vocab_rows, compute_dtype,
-                           config_rows, load_model, load_tokenizer, pick_device, setup_torch, use_shared_vocab)
+from opdkit.models import compute_dtype, load_model, pick_device, setup_torch
+from opdkit.pairs import Inputs, use_shared_vocab
 from opdkit.sharding import reshard
 
 
 class RunError(ValueError):
     """A run that cannot start (bad params combination); the message says what to change."""
-
-
-@dataclass
-class Inputs:
-    student_path: Path
-    teacher_path: Path | None
-    train_path: Path
-    examples: list[Example]
-    data_fingerprint: str
-    tokenizer: object = None  # the student's, checked against the teacher's (None: loaded by build_run)
 
 
 def check_params(cfg: Config) -> None:
@@ -59,23 +50,10 @@ def check_params(cfg: Config) -> None:
 
 
 def prepare_inputs(cfg: Config) -> Inputs:
-    """Validate every input without touching the output directory."""
+    """Validate every input without touching the output directory (the first failure raises)."""
     check_params(cfg)
-    student = check_model_dir(paths.student_path(cfg), "student model")
-    teacher = check_model_dir(paths.teacher_path(cfg), "teacher model") if cfg.teacher.source == "model" else None
-    train = paths.train_data_path(cfg)
-    need_solution = cfg.teacher.source != "model" or loss_table.samples_from(cfg.loss) == "reference"
-    examples = load_examples(train, cfg.data, require_solution=need_solution)
-    if cfg.data.chat_template:  # the student's template renders every prompt (the teacher's too)
-        check_chat_template(student, "student model")
-    tok = load_tokenizer(student)
-    check_vocab_rows(tok, config_rows(student), student, "student model")
-    if teacher is not None:
-        t_tok = load_tokenizer(teacher)
-        check_same_vocab(tok, t_tok, student, teacher)
-        check_same_tokenization(tok, t_tok, examples[0])
-        check_vocab_rows(tok, config_rows(teacher), teacher, "teacher model")
-    return Inputs(student, teacher, train, examples, fingerprint(examples), tok)
+    inputs, _ = pairs.check_inputs(cfg, strict=True)
+    return inputs
 
 
 def code_revision() -> str:
@@ -131,23 +109,18 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     torch.manual_seed(cfg.seed)
     device = pick_device(cfg.runtime)
     dtype = compute_dtype(cfg.runtime, device)
-    tok = inputs.tokenizer if inputs.tokenizer is not None else load_tokenizer(inputs.student_path)
+    tok = inputs.tokenizer
     student = load_model(inputs.student_path, device, dtype, "student model", trainable=True)
     vocab_models = {"student model": (inputs.student_path, student)}
     use_shared_vocab(tok, vocab_models, log=lambda _: None)  # before LoRA and any copy of the student
-    if cfg.runtime.grad_checkpointing:
-        student.gradient_checkpointing_enable()
-        student.config.use_cache = False
+    if cfg.runtime.grad_checkpointing:  # every training forward passes use_cache=False itself: the config
+        student.gradient_checkpointing_enable()  # (published with each checkpoint) stays the source student's
     if cfg.lora.enabled:
         student = _wrap_lora(cfg, student)
     student.train()
 
     src, ema, ctx = cfg.teacher.source, None, contextlib.nullcontext
     if src == "model":
-        if inputs.tokenizer is None:  # prepare_inputs checked them
-            t_tok = load_tokenizer(inputs.teacher_path)
-            check_same_vocab(tok, t_tok, inputs.student_path, inputs.teacher_path)
-            check_same_tokenization(tok, t_tok, inputs.examples[0])
         teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
         vocab_models["teacher model"] = (inputs.teacher_path, teacher)
     elif src == "privileged_fixed" and cfg.lora.enabled:
@@ -172,19 +145,6 @@ def make_optimizer(cfg: Config, student, device: torch.device) -> torch.optim.Op
     o = cfg.optim
     return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=o.lr, betas=o.betas,
                              weight_decay=o.weight_decay, fused=device.type == "cuda")
-
-
-def check_same_tokenization(student_tok, teacher_tok, ex: Example) -> None:
-    """Same vocabulary is not enough: the two tokenizers must also split text the same way
-    (transformers may pick a model-type-specific tokenizer class with its own pre-tokenizer)."""
-    probe = ex.problem_text + " " + ex.solution
-    s_ids, t_ids = student_tok(probe).input_ids, teacher_tok(probe).input_ids
-    if s_ids != t_ids:
-        i = next((i for i, (a, b) in enumerate(zip(s_ids, t_ids)) if a != b), min(len(s_ids), len(t_ids)))
-        raise RunError(
-            f"teacher and student tokenizers split the same text differently ({type(student_tok).__name__} vs "
-            f"{type(teacher_tok).__name__}); first difference at token {i} of {probe[:60]!r}. OPD needs identical "
-            "tokenization: load both with the same tokenizer class")
 
 
 @torch.no_grad()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from opdkit.engines.sampling import policy_logits
+
 
 @dataclass
 class Geometry:
@@ -105,23 +107,28 @@ def completion_hidden(model, g: Geometry, unpadded: bool = False) -> torch.Tenso
     return torch.cat(rows)
 
 
-def _chunk_token_logp(head, h_B_C_H, ids_B_C):
+def _chunk_token_logp(head, h_B_C_H, ids_B_C, temperature, top_p):
     logits_B_C_V = head(h_B_C_H).float()
     if ids_B_C.numel() and int(ids_B_C.max()) >= logits_B_C_V.shape[-1]:
         raise ValueError(f"token id {int(ids_B_C.max())} is outside the {logits_B_C_V.shape[-1]:,} ids scored (the "
                          "tokenizer's): a padding row of the embedding was sampled; samplers must not emit those ids")
+    logits_B_C_V = policy_logits(logits_B_C_V, temperature, top_p)
     return logits_B_C_V.log_softmax(dim=-1).gather(-1, ids_B_C[..., None])[..., 0]
 
 
-def token_logprobs(head, h_B_T_H: torch.Tensor, ids_B_T: torch.Tensor, chunk: int) -> torch.Tensor:
-    """log p(ids) under ``head(h)``, chunked over positions: (B, T) fp32."""
+def token_logprobs(head, h_B_T_H: torch.Tensor, ids_B_T: torch.Tensor, chunk: int, temperature: float = 1.0,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """log p(ids) under ``head(h)``, chunked over positions: (B, T) fp32. ``temperature`` /
+    ``top_p``: of the policy π (``engines.sampling.policy_logits``) whose log-probs these are; the
+    model's own distribution (the teacher's, and the scale of every teacher signal) at 1 / 1.
+    An id outside the top-p nucleus gets -inf."""
     parts = []
     for s in range(0, h_B_T_H.shape[1], chunk):
         h, ids = h_B_T_H[:, s:s + chunk], ids_B_T[:, s:s + chunk]
         if torch.is_grad_enabled() and h.requires_grad:
-            parts.append(checkpoint(_chunk_token_logp, head, h, ids, use_reentrant=False))
+            parts.append(checkpoint(_chunk_token_logp, head, h, ids, temperature, top_p, use_reentrant=False))
         else:
-            parts.append(_chunk_token_logp(head, h, ids))
+            parts.append(_chunk_token_logp(head, h, ids, temperature, top_p))
     return torch.cat(parts, dim=1) if parts else h_B_T_H.new_zeros(ids_B_T.shape, dtype=torch.float)
 
 

@@ -10,6 +10,11 @@ docstring names (checked in tests/test_losses.py by exact enumeration over small
 - ``sft_loss``: negative log-likelihood of the given tokens (the SFT control).
 
 Normalisation, metrics and padding as described in ``opdkit.losses`` (which re-exports these).
+p_S is the student policy the rollout samples (tempered, top-p-truncated; ``opdkit.loss_table``);
+with top-p < 1, k3's forward KL runs over the student's nucleus S (its expected gradient is
+-sum_{v in S} p_T(v) ∇log p_S(v) = ∇ sum_{v in S} p_T(v) log(p_T(v) / p_S(v))). A sampled token
+with log p_S = -inf (outside the nucleus recomputed from the current logits: p_S = 0, so its
+importance weight is 0) is left out, as if masked.
 """
 
 from __future__ import annotations
@@ -61,8 +66,11 @@ def _sampled_inputs(logp_B_T, other_B_T, mask_B_T, n_tokens):
     for name, x in other_B_T.items():
         assert x.shape == logp_B_T.shape, f"{name} {tuple(x.shape)} vs logp_B_T {tuple(logp_B_T.shape)}"
     assert mask_B_T.shape == logp_B_T.shape, f"mask_B_T {tuple(mask_B_T.shape)} vs {tuple(logp_B_T.shape)}"
-    mask_B_T = mask_B_T != 0
     logp_B_T = _at_least_fp32(logp_B_T)
+    # p_S = 0 (outside the top-p nucleus): weight 0; its -inf replaced so no inf * 0 reaches the gradient
+    support_B_T = logp_B_T.detach() != float("-inf")  # NaN stays in (and is caught as non-finite)
+    mask_B_T = (mask_B_T != 0) & support_B_T
+    logp_B_T = torch.where(support_B_T, logp_B_T, torch.zeros_like(logp_B_T))
     s_B_T = logp_B_T.detach()
     others = [torch.where(mask_B_T, x.detach().to(s_B_T.dtype), s_B_T) for x in other_B_T.values()]
     return logp_B_T, s_B_T, others, mask_B_T, _check_n_tokens(n_tokens)

@@ -20,7 +20,10 @@ per-sample seeds and RNG continue exactly (an interrupted run ends with the same
 uninterrupted one), metrics lines past the saved step (from a killed attempt) are dropped and new
 ones appended, and the wall-clock budget counts the time already spent, including the steps that
 were lost. Only budgets, publishing, runtime and paths may change between starts; the data must be
-the same (fingerprint). A run that already reached its end returns at once.
+the same (fingerprint). A step-based schedule's horizon (``budget.schedule_steps``, else
+``budget.max_steps``) may not change either: a new ``max_steps`` with ``optim.schedule`` linear or
+cosine is refused unless ``budget.schedule_steps`` keeps the old horizon. A run that already
+reached its end returns at once.
 
 Under ``torchrun`` (``opdkit.distributed``) every rank runs this loop on its share of each step's
 prompts with the student sharded by FSDP2; rank 0 alone holds the lock and writes the directory.
@@ -70,7 +73,7 @@ METRICS_FILE = "metrics/train.jsonl"
 RUN_FILE = "run.json"
 # Params sections that may change between the starts of one run; any other change would splice
 # two different runs together. Paths may change too (files move), the data fingerprint may not.
-RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "pipeline", "embedded")
+RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded")
 PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
 LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
 
@@ -149,6 +152,13 @@ def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> Non
         changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
         raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
                        "same values or choose another output directory")
+    horizon = (old.get("budget.schedule_steps") or old.get("budget.max_steps"),
+               cfg.budget.schedule_steps or cfg.budget.max_steps)  # (saved, these params')
+    if cfg.optim.schedule in ("linear", "cosine") and horizon[0] is not None and horizon[0] != horizon[1]:
+        raise RunError(f"{out} holds a run (step {state['step']}) whose optim.schedule={cfg.optim.schedule} runs over "
+                       f"{horizon[0]} steps; these params would make it {horizon[1]} and reshape the learning rate from "
+                       f"here on. Keep the horizon with budget.schedule_steps={horizon[0]} (budget.max_steps may then "
+                       "change: steps past the horizon run at optim.min_lr), or choose another output directory")
     if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
         raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
                        "(fingerprints differ); resume it with the same data or choose another output directory")
@@ -297,6 +307,8 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
     if not world.is_main:  # rank 0 alone logs and writes the output directory
         log, progress = (lambda *args, **kwargs: None), False
     inputs = preflight(cfg, out)
+    for w in inputs.warnings:  # the pair checks' WARN lines (opdkit doctor shows every check)
+        log(f"warning: {w.check}: {w.detail}")
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     at = guards.StepProgress()  # which step and phase runs (for an out-of-memory message)

@@ -1,9 +1,11 @@
 """The real-scale fixture (``opdkit fixture qwen2``), built once per test session through the CLI
-and shared by test_fixture.py and test_realscale.py."""
+and shared by test_fixture.py, test_realscale.py and test_doctor.py; and the planted faults built
+from it (each a model directory of links to the fixture's files, one file changed)."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -31,3 +33,41 @@ def fixture_dir(tmp_path_factory) -> Path:
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert f"wrote the qwen2 fixture to {d}" in proc.stdout
     return d
+
+
+def copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
+    """A model directory whose files are links to ``src``'s (the ones in ``skip`` are left out)."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in skip:
+            (dst / f.name).symlink_to(f)
+    return dst
+
+
+def read_json(d: Path, name: str) -> dict:
+    return json.loads((d / name).read_text())
+
+
+def teacher_with_another_vocabulary(fx: Path, dst: Path) -> Path:
+    """Two ordinary tokens swap ids: same size, same specials, a different vocabulary."""
+    teacher = copy_model(fx / "teacher", dst, skip=("tokenizer.json",))
+    tj = read_json(fx / "teacher", "tokenizer.json")
+    vocab = tj["model"]["vocab"]
+    vocab["Ġthe"], vocab["Ġand"] = vocab["Ġand"], vocab["Ġthe"]
+    (teacher / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    return teacher
+
+
+def teacher_with_fewer_rows(fx: Path, dst: Path) -> Path:
+    """A teacher whose embeddings hold the base ranks only (151,643 rows): none for the special tokens."""
+    teacher = copy_model(fx / "teacher", dst, skip=("config.json",))
+    (teacher / "config.json").write_text(json.dumps(read_json(fx / "teacher", "config.json") | {"vocab_size": 151643}))
+    return teacher
+
+
+def student_without_chat_template(fx: Path, dst: Path) -> Path:
+    student = copy_model(fx / "student", dst, skip=("tokenizer_config.json",))
+    tc = read_json(fx / "student", "tokenizer_config.json")
+    del tc["chat_template"]
+    (student / "tokenizer_config.json").write_text(json.dumps(tc))
+    return student

@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 from opdkit.engines.static import StaticDecoder, inference_copy
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
-from opdkit.engines.sampling import perturbed_logits, sample_seed, uniform_noise
+from opdkit.engines.sampling import policy_scores, sample_seed, uniform_noise
 
 PROMPTS = ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]
 
@@ -74,14 +74,15 @@ def test_noise_is_uniform_and_counter_based():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_perturbed_logits_greedy_and_tempered(temperature):
+def test_policy_scores_greedy_and_tempered(temperature):
     raw = torch.randn(3, 50)
     seeds = torch.tensor([1, 2, 3])
-    out = perturbed_logits(raw, seeds, 0, temperature, 1.0)
-    if temperature == 0:
-        assert torch.equal(out.argmax(-1), raw.argmax(-1))
+    out, logp = policy_scores(raw, seeds, 0, temperature, 1.0)
+    if temperature == 0:  # greedy: the argmax, and the model's own log-probs
+        assert torch.equal(out.argmax(-1), raw.argmax(-1)) and torch.equal(logp, raw.log_softmax(-1))
     else:
-        assert torch.equal(out, perturbed_logits(raw, seeds, 0, temperature, 1.0))
+        assert torch.equal(out, policy_scores(raw, seeds, 0, temperature, 1.0)[0])
+        assert torch.allclose(logp, (raw / temperature).log_softmax(-1), atol=1e-6)
 
 
 def test_fused_layers_follow_weight_updates(tok):

@@ -213,7 +213,8 @@ def reference(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_two_processes_match_one_then_publish_and_resume(tmp_path, reference):
     out = tmp_path / "out"
-    r = _torchrun(out, "budget.max_steps=1", "runtime.teacher_sharding=fsdp")
+    # the first start stops at step 1 of the reference's 2-step cosine (its horizon kept for the resumes)
+    r = _torchrun(out, "budget.max_steps=1", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 1  # rank 0 alone prints the result
 
@@ -230,9 +231,9 @@ def test_two_processes_match_one_then_publish_and_resume(tmp_path, reference):
     # the 2-process state resumes under 1 process (another world size) ...
     other = tmp_path / "other"
     shutil.copytree(out, other)
-    assert _single(other, "budget.max_steps=2", "runtime.teacher_sharding=fsdp").step == 2
+    assert _single(other, "budget.max_steps=2", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp").step == 2
     # ... and under 2 processes; both end with the single-process run's weights
-    r = _torchrun(out, "budget.max_steps=2", "runtime.teacher_sharding=fsdp")
+    r = _torchrun(out, "budget.max_steps=2", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert [row["step"] for row in _rows(out)] == [1, 2]
     validate_checkpoint(out / "checkpoints/checkpoint-2")

@@ -5,7 +5,6 @@ from it fail with one line naming the file, leaving the output directory unwritt
 
 from __future__ import annotations
 
-import json
 import random
 import unicodedata
 from pathlib import Path
@@ -18,7 +17,8 @@ from opdkit.data import load_examples, write_rows
 from opdkit.fixture import CHAT_TEMPLATE, make_model, problems
 from opdkit.fixture.qwen_tokenizer import reference_encoder
 from opdkit.models import load_tokenizer
-from qwen2_fixture import SEED, fixture_dir
+from qwen2_fixture import (SEED, fixture_dir, read_json, student_without_chat_template, teacher_with_another_vocabulary,
+                           teacher_with_fewer_rows)
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +26,8 @@ def fx(tmp_path_factory) -> Path:
     return fixture_dir(tmp_path_factory)
 
 
-def _config(d: Path, name: str) -> dict:
-    return json.loads((d / name).read_text())
-
-
 def test_fixture_writes_a_qwen2_pair_shaped_like_a_real_one(fx):
-    s, t = _config(fx / "student", "config.json"), _config(fx / "teacher", "config.json")
+    s, t = read_json(fx / "student", "config.json"), read_json(fx / "teacher", "config.json")
     assert (s["model_type"], t["model_type"]) == ("qwen2", "qwen2")
     assert (s["vocab_size"], t["vocab_size"]) == (151936, 152064)  # Qwen2.5-1.5B / R1-Distill-1.5B, Qwen2.5-7B
     assert s["tie_word_embeddings"] is False and t["tie_word_embeddings"] is False
@@ -45,15 +41,15 @@ def test_fixture_writes_a_qwen2_pair_shaped_like_a_real_one(fx):
             assert "model.layers.0.self_attn.o_proj.bias" not in keys  # Qwen2: biases on q/k/v only
             assert f.get_slice("lm_head.weight").get_shape()[0] == rows  # untied: a head of its own
             assert f.get_slice("model.embed_tokens.weight").get_shape()[0] == rows
-    gs, gt = _config(fx / "student", "generation_config.json"), _config(fx / "teacher", "generation_config.json")
+    gs, gt = read_json(fx / "student", "generation_config.json"), read_json(fx / "teacher", "generation_config.json")
     for g in (gs, gt):
         assert (g["do_sample"], g["temperature"], g["top_p"]) == (True, 0.6, 0.95)
         assert (g["eos_token_id"], g["pad_token_id"]) == ([151645, 151643], 151643)
     assert gs["repetition_penalty"] == 1.05 and "repetition_penalty" not in gt
-    tc = _config(fx / "student", "tokenizer_config.json")
+    tc = read_json(fx / "student", "tokenizer_config.json")
     assert (tc["eos_token"], tc["pad_token"], tc["bos_token"]) == ("<|im_end|>", "<|endoftext|>", None)
     assert tc["tokenizer_class"] == "Qwen2Tokenizer" and tc["chat_template"] == CHAT_TEMPLATE
-    man = _config(fx, "manifest.json")
+    man = read_json(fx, "manifest.json")
     assert (man["seed"], man["tokenizer_ids"], man["train_rows"], man["eval_rows"]) == (SEED, 151665, 32, 24)
 
 
@@ -191,15 +187,6 @@ def test_fixture_data_loads_in_the_dapo_and_math500_shapes(fx):
 # --- bad input -------------------------------------------------------------------------------
 
 
-def _copy_model(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
-    """A model directory whose big files are links to ``src``'s (the ones in ``skip`` are left out)."""
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name not in skip:
-            (dst / f.name).symlink_to(f)
-    return dst
-
-
 def _train(tmp: Path, fx: Path, capsys, **paths) -> tuple[int, str, Path]:
     """``opdkit train`` (the CLI's entry point, in this process): exit status, last stderr line, OUT."""
     out = tmp / "out"
@@ -213,12 +200,7 @@ def _train(tmp: Path, fx: Path, capsys, **paths) -> tuple[int, str, Path]:
 
 
 def test_teacher_tokenizer_that_differs_beyond_padding_rows_is_refused(fx, tmp_path, capsys):
-    teacher = _copy_model(fx / "teacher", tmp_path / "teacher", skip=("tokenizer.json",))
-    tj = json.loads((fx / "teacher" / "tokenizer.json").read_text())
-    vocab = tj["model"]["vocab"]
-    a, b = "Ġthe", "Ġand"  # two ordinary tokens swap ids: same size, same specials, different vocabulary
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (teacher / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    teacher = teacher_with_another_vocabulary(fx, tmp_path / "teacher")
     rc, line, out = _train(tmp_path, fx, capsys, **{"teacher.path": teacher})
     assert rc == 2, line
     assert "teacher and student tokenizers disagree" in line and str(teacher) in line and "token id" in line
@@ -226,10 +208,7 @@ def test_teacher_tokenizer_that_differs_beyond_padding_rows_is_refused(fx, tmp_p
 
 
 def test_teacher_with_fewer_rows_than_the_tokenizers_ids_is_refused(fx, tmp_path, capsys):
-    teacher = _copy_model(fx / "teacher", tmp_path / "teacher", skip=("config.json",))
-    cfg = _config(fx / "teacher", "config.json")
-    cfg["vocab_size"] = 151643  # the base ranks only: no rows for the special tokens
-    (teacher / "config.json").write_text(json.dumps(cfg))
+    teacher = teacher_with_fewer_rows(fx, tmp_path / "teacher")
     rc, line, out = _train(tmp_path, fx, capsys, **{"teacher.path": teacher})
     assert rc == 2, line
     assert f"teacher model directory {teacher}" in line and "151,643 rows" in line and "0..151,664" in line
@@ -237,10 +216,7 @@ def test_teacher_with_fewer_rows_than_the_tokenizers_ids_is_refused(fx, tmp_path
 
 
 def test_missing_chat_template_with_data_chat_template_is_refused(fx, tmp_path, capsys):
-    student = _copy_model(fx / "student", tmp_path / "student", skip=("tokenizer_config.json",))
-    tc = _config(fx / "student", "tokenizer_config.json")
-    del tc["chat_template"]
-    (student / "tokenizer_config.json").write_text(json.dumps(tc))
+    student = student_without_chat_template(fx, tmp_path / "student")
     rc, line, out = _train(tmp_path, fx, capsys, **{"student.path": student})
     assert rc == 2, line
     assert f"student model directory {student}" in line and "no chat template" in line

@@ -1,4 +1,5 @@
-"""Every analysis notebook, executed by papermill on small inputs, and the metrics JSON it writes.
+"""Every analysis notebook, executed by papermill on small inputs, and the metrics JSON it writes;
+then each executed notebook opened in JupyterLab in headless Chromium (the last test).
 
 A module fixture makes real inputs once: two 3-step training runs of the shipped student and their
 evals (plus the student before training and the teacher), on a few eval questions.
@@ -30,6 +31,7 @@ TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.m
 EVAL = ["eval.n_samples=2", "eval.max_new_tokens=16", "eval.max_questions=6", "runtime.threads=1"]
 
 pytestmark = pytest.mark.slow  # each notebook starts a kernel and imports torch (~10 s)
+EXECUTED: dict[str, Path] = {}  # notebook name -> its executed copy (execute() records it; the JupyterLab test opens it)
 
 
 def execute(name: str, workdir: Path, **parameters) -> dict:
@@ -39,6 +41,7 @@ def execute(name: str, workdir: Path, **parameters) -> dict:
 
     papermill.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(workdir / f"{name}.ipynb"),
                                parameters=parameters, kernel_name="python3", progress_bar=False, cwd=str(workdir))
+    EXECUTED[name] = workdir / f"{name}.ipynb"
     metrics_name = "notebook_metrics.json" if name.startswith("study_") else "metrics.json"
     return json.loads((Path(parameters["out_dir"]) / metrics_name).read_text())
 
@@ -203,3 +206,46 @@ def test_study_clipped_mass_notebook_runs_the_study(tmp_path):
     assert m["clipped_mass"]["inf"] == 0.0 and m["clipped_mass"]["0.0"] > 0
     assert m["grad_cosine"]["inf"] == pytest.approx(1.0, abs=1e-5) and m["n_positions"] > 0
     assert not math.isnan(m["kl_mean"])
+
+
+def test_executed_notebooks_render_in_jupyterlab(runs, tmp_path):
+    """As a person opens them: `jupyter lab` (loopback, a token) and headless Chromium (tests/lab_browser.py).
+    Each notebook the tests above executed (executed here first where they did not run) shows every figure
+    its file holds, each decoded and not blank (pixel spread of the rendered <img>), and no error output;
+    a control notebook with an error output and a blank figure shows the checks catch both. Screenshots
+    are saved under this test's tmp_path/screenshots."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    import lab_browser
+
+    chromium = lab_browser.browser()  # skips, saying why, where there is no browser
+    again = {"training_dynamics": lambda d: test_training_dynamics(runs, d),
+             "eval_comparison": lambda d: test_eval_comparison(runs, d),
+             "repeat_runs": lambda d: test_repeat_runs(runs, d),
+             "rollout_inspection": lambda d: test_rollout_inspection(runs, d),
+             "study_padding": test_study_padding_notebook_runs_the_study,
+             "study_clipped_mass": test_study_clipped_mass_notebook_runs_the_study}
+    root, shots = tmp_path / "lab", tmp_path / "screenshots"
+    root.mkdir()
+    shots.mkdir()
+    for name, run_its_test in again.items():
+        if name not in EXECUTED:  # this test alone (-k): its notebook test executes it
+            (tmp_path / name).mkdir()
+            run_its_test(tmp_path / name)
+        shutil.copy(EXECUTED[name], root / f"{name}.ipynb")
+    lab_browser.control_notebook(root / "control.ipynb")
+    with lab_browser.jupyter_lab(root, tmp_path) as (base, token), sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        for name in again:
+            nb = root / f"{name}.ipynb"
+            seen = lab_browser.check_notebook(page, base, token, nb, nb.name)
+            (shots / f"{name}.png").write_bytes(seen.screenshot)
+            assert seen.figures == lab_browser.figures_in(nb) >= 1, name
+            assert min(seen.spreads) > 5, (name, seen.spreads)  # a blank image has a spread of 0
+            assert seen.error_outputs == 0 and lab_browser.errors_in(nb) == [], name
+        seen = lab_browser.check_notebook(page, base, token, root / "control.ipynb", "control.ipynb")
+        assert (seen.figures, seen.spreads, seen.error_outputs) == (1, [0.0], 1)
+        browser.close()

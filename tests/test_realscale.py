@@ -180,7 +180,8 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
     from opdkit import opd
     from opdkit.config import load_config
     from opdkit.data import encode_prompt, load_examples
-    from opdkit.models import load_model, load_tokenizer, use_shared_vocab
+    from opdkit.models import load_model, load_tokenizer
+    from opdkit.pairs import use_shared_vocab
     from opdkit.teacher import completion_hidden, token_logprobs, unwrap
 
     cpu = torch.device("cpu")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from opdkit.engines.sampling import perturbed_logits, sample_seed, uniform_noise
+from opdkit.engines.sampling import policy_scores, sample_seed, uniform_noise
 
 V = 151_936  # Qwen2.5's head rows
 
@@ -60,7 +60,7 @@ def _draw(logits_V: torch.Tensor, n: int, T: float, top_p: float, rows: int = 10
     picks = []
     for start in range(0, n, rows):
         seeds_B = torch.tensor([sample_seed(11, 0, i) for i in range(start, start + rows)], dtype=torch.int64)
-        picks.append(perturbed_logits(logits_V.expand(rows, V), seeds_B, 0, T, top_p).argmax(-1).numpy())
+        picks.append(policy_scores(logits_V.expand(rows, V), seeds_B, 0, T, top_p)[0].argmax(-1).numpy())
     return np.concatenate(picks)
 
 

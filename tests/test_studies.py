@@ -114,12 +114,39 @@ def test_padding_offsets_on_a_tiny_rope_llama():
     assert res["signal_kl"] > 1e-3  # two different random models
 
 
+def _head_positions(model) -> list[int]:
+    """Record rows x positions of every LM-head call (the (rows, C, V) logits it makes)."""
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.shape[:-1].numel()))
+    return seen
+
+
 def test_padding_offsets_do_not_depend_on_chunking():
-    models = {"teacher": _tiny_llama(0)}
+    """runtime.logprob_chunk below T (the rollout's T = 5): logits are made a few positions of one
+    row at a time, never (rows, T, V), and the numbers are the same as with whole rows."""
+    models = {"teacher": _tiny_llama(0), "student": _tiny_llama(1)}
     whole = padding_offsets(models, _hand_rollout(), PAD, [0, 2], chunk=2048)
-    rowwise = padding_offsets(models, _hand_rollout(), PAD, [0, 2], chunk=1)  # one row per chunk
-    for key, vals in whole.items():
-        assert rowwise[key] == pytest.approx(vals, abs=1e-6), key
+    seen = _head_positions(models["teacher"])
+    for chunk in (1, 2):
+        seen.clear()
+        part = padding_offsets(models, _hand_rollout(), PAD, [0, 2], chunk=chunk)
+        assert seen and max(seen) <= chunk
+        for key, vals in whole.items():
+            assert part[key] == pytest.approx(vals, abs=1e-6), (chunk, key)
+
+
+def test_clipped_mass_scoring_holds_at_most_a_chunk_of_logits():
+    from opdkit.studies.clipped_mass import score_chunks
+
+    student, teacher, ro = _tiny_llama(1), _tiny_llama(0), _hand_rollout()
+    n = float(ro.completion_mask_B_T.sum())
+    whole = clipped_mass_stats(score_chunks(student, teacher, ro, 2048), n, TAUS, BINS)
+    seen = _head_positions(teacher)
+    blocks = list(score_chunks(student, teacher, ro, 2))  # T = 5 > 2
+    assert max(seen) <= 2 and max(s.shape[:2].numel() for s, _, _ in blocks) <= 2
+    part = clipped_mass_stats(iter(blocks), n, TAUS, BINS)
+    for key in ("clipped_mass", "argmax_clipped_rate", "grad_cosine", "kl_mean", "fkl_mean", "n_positions"):
+        assert part[key] == pytest.approx(whole[key], abs=1e-6), key
 
 
 # ----------------------------------------------------------------------------- clip statistics

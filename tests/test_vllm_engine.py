@@ -98,16 +98,94 @@ def test_a_mismatched_vllm_output_is_refused():
 
 
 def test_request_params_one_request_per_sample_with_its_own_seed():
-    """n = 1 always (vLLM refuses greedy with n > 1), each sample's own seed; padding rows excluded."""
-    params = request_params(seeds=[11, 12], temperature=0.0, top_p=0.9, max_new_tokens=64, eos_ids=[EOS], n_vocab=4)
+    """n = 1 always (vLLM refuses greedy with n > 1), each sample's own seed, no vocabulary list
+    (vLLM 0.26's GPU runner caps allowed_token_ids at 1,024 ids; the head is cut instead); greedy
+    with top-p off, as vLLM treats it."""
+    params = request_params(seeds=[11, 12], temperature=0.6, top_p=0.95, max_new_tokens=64, eos_ids=[EOS, 7])
     assert params == [
-        dict(n=1, temperature=0.0, top_p=0.9, max_tokens=64, seed=11, logprobs=0, stop_token_ids=[EOS], detokenize=False,
-             allowed_token_ids=[0, 1, 2, 3]),
-        dict(n=1, temperature=0.0, top_p=0.9, max_tokens=64, seed=12, logprobs=0, stop_token_ids=[EOS], detokenize=False,
-             allowed_token_ids=[0, 1, 2, 3]),
+        dict(n=1, temperature=0.6, top_p=0.95, max_tokens=64, seed=11, logprobs=0, stop_token_ids=[EOS, 7],
+             detokenize=False),
+        dict(n=1, temperature=0.6, top_p=0.95, max_tokens=64, seed=12, logprobs=0, stop_token_ids=[EOS, 7],
+             detokenize=False),
     ]
-    assert "allowed_token_ids" not in request_params(seeds=[1], temperature=1.0, top_p=1.0, max_new_tokens=8,
-                                                     eos_ids=[EOS])[0]
+    greedy = request_params(seeds=[1], temperature=0.0, top_p=0.9, max_new_tokens=8, eos_ids=[EOS])[0]
+    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    from qwen2_fixture import fixture_dir
+
+    return fixture_dir(tmp_path_factory)
+
+
+def test_llm_kwargs_cut_the_padding_rows_and_record_the_sampled_policy(fx):
+    """On the real-scale fixture (Qwen2.5's tokenizer, 151,665 ids; 151,936 embedding rows): the
+    engine's vocabulary is the tokenizer's (hf_overrides), its log-probs those of the tempered,
+    truncated distribution it samples (processed_logprobs), its batch the rows of one rollout."""
+    from opdkit.engines.base import sampling_vocab
+    from opdkit.engines.vllm import llm_kwargs
+    from opdkit.models import load_model, load_tokenizer
+
+    tok = load_tokenizer(fx / "student")
+    model = load_model(fx / "student", torch.device("cpu"))
+    n_vocab = sampling_vocab(model, tok)
+    assert (n_vocab, model.get_output_embeddings().weight.shape[0]) == (151665, 151936)
+    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=7168",
+                             "rollout.max_prompt_tokens=1024"])
+    kw = llm_kwargs(cfg, str(fx / "student"), n_vocab, world_size=1)
+    assert kw["hf_overrides"] == {"vocab_size": 151665} and kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["max_num_seqs"] == 8 and kw["max_model_len"] == 1024 + 7168 and kw["load_format"] == "dummy"
+    assert llm_kwargs(cfg, "x", n_vocab, world_size=3)["max_num_seqs"] == 3  # ceil(8 / 3) rows per rank
+    assert "hf_overrides" not in llm_kwargs(cfg, "x", None)  # rows = ids: nothing to cut
+    assert "allowed_token_ids" not in str(kw)
+
+
+def test_the_pushed_embedding_and_head_are_cut_to_the_tokenizers_ids(fx):
+    """What sync_weights pushes loads strictly into the same architecture built with
+    vocab_size = the tokenizer's ids (what vLLM builds under hf_overrides), and that model's
+    log-probs are the trainer's: the full model's logits over the first 151,665 ids, renormalised."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from opdkit.engines.vllm import embedding_names, pushed_weights
+    from opdkit.models import load_model
+
+    model = load_model(fx / "student", torch.device("cpu"))
+    assert embedding_names(model) == {"model.embed_tokens.weight", "lm_head.weight"}
+    pushed = dict(pushed_weights(model, 151665))
+    full = dict(merged_weights(model))
+    assert pushed.keys() == full.keys()
+    for k, v in pushed.items():
+        want = full[k][:151665] if k in ("model.embed_tokens.weight", "lm_head.weight") else full[k]
+        assert v.dtype == torch.bfloat16 and torch.equal(v, want.to(torch.bfloat16)), k
+    cfg = AutoConfig.from_pretrained(fx / "student")
+    cfg.vocab_size = 151665
+    cut = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    cut.load_state_dict({k: v.float() for k, v in pushed.items()}, strict=True)
+    ref = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(fx / "student"), dtype=torch.float32,
+                                           attn_implementation="eager")
+    ref.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in full.items()}, strict=True)  # the same rounding
+    x = torch.tensor([[9707, 11, 1879, 0, 151643, 151664]])  # up to the last id
+    with torch.no_grad():
+        want = ref(input_ids=x).logits[..., :151665].log_softmax(-1)
+        got = cut(input_ids=x).logits.log_softmax(-1)
+    assert got.shape[-1] == 151665 and (got - want).abs().max() < 1e-5
+    # rows = ids: every tensor as it is
+    assert all(torch.equal(v, full[k].to(torch.bfloat16)) for k, v in pushed_weights(model, None))
+
+
+def test_a_tied_head_is_cut_under_both_names(tok):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from opdkit.engines.vllm import embedding_names, pushed_weights
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok) + 16, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         tie_word_embeddings=True))
+    assert embedding_names(model) == {"model.embed_tokens.weight", "lm_head.weight"}
+    pushed = dict(pushed_weights(model, len(tok)))
+    assert pushed["model.embed_tokens.weight"].shape[0] == pushed["lm_head.weight"].shape[0] == len(tok)
 
 
 def test_the_weights_pushed_into_vllm_are_the_exported_ones(tiny_llama):
@@ -194,7 +272,7 @@ def test_vllm_samples_the_live_student(qwen2_dir):
     tokenizer ids, a pushed optimizer update changes what is sampled, the trainer's RNG untouched."""
     from opdkit import opd
     from opdkit.models import load_model, load_tokenizer
-    from opdkit.teacher import completion_hidden, token_logprobs, unwrap
+    from opdkit.teacher import completion_hidden, restrict_vocab, token_logprobs, unwrap
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2", "rollout.max_prompt_tokens=64"])
@@ -215,11 +293,24 @@ def test_vllm_samples_the_live_student(qwen2_dir):
     assert ro.completion_ids_B_T.shape[0] == 6 and ro.prompt_index_B.tolist() == [0, 0, 0, 1, 1, 1]
     m = ro.completion_mask_B_T.bool()
     assert int(ro.completion_ids_B_T[m].max()) < len(tok)  # never a padding row
-    # the sampling log-probs are the raw model's (bf16 sampling vs fp32 recompute)
+    # the sampling log-probs are the model's over the tokenizer's ids (bf16 sampling vs fp32 recompute),
+    # as the trainer scores them: its head restricted to those ids (the engine's head was cut to them)
+    restrict_vocab(model, len(tok))
     g = opd.student_geometry(opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp))
     with torch.no_grad():
         logp = token_logprobs(unwrap(model)[1], completion_hidden(model, g), ro.completion_ids_B_T, 2048)
     assert (logp - ro.sampling_logp_B_T).abs()[m].max() < 0.1
+    # at temperature 0.6 / top-p 0.95: those of the tempered, truncated policy it sampled from
+    hot = engine.sample(prompts, **{**kw, "temperature": 0.6, "top_p": 0.95})
+    m6 = hot.completion_mask_B_T.bool()
+    g6 = opd.student_geometry(opd.Batch(hot, hot.prompt_ids_B_Sp, hot.prompt_mask_B_Sp))
+    with torch.no_grad():
+        logp6 = token_logprobs(unwrap(model)[1], completion_hidden(model, g6), hot.completion_ids_B_T, 2048, 0.6, 0.95)
+        raw6 = token_logprobs(unwrap(model)[1], completion_hidden(model, g6), hot.completion_ids_B_T, 2048)
+    inside = torch.isfinite(logp6)[m6]
+    assert inside.float().mean() > 0.95 and int(hot.completion_ids_B_T[m6].max()) < len(tok)
+    err = (logp6[m6][inside] - hot.sampling_logp_B_T[m6][inside]).abs().mean()
+    assert err < 0.05 and err < (raw6[m6] - hot.sampling_logp_B_T[m6]).abs().mean() / 2  # not the temperature-1 ones
     engine.sync_weights(model)
     assert torch.equal(engine.sample(prompts, **kw).completion_ids_B_T, ro.completion_ids_B_T)  # seeded
     # no push since the last sample (its level-2 sleep discarded the weights on CUDA): pushed again by itself

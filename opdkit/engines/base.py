@@ -3,8 +3,9 @@
 Prompts are left-padded (so every sequence's positions run contiguously from its first real
 token), completions right-padded; each row is sampled with its own seed, derived from
 ``(seed, step, index)``, so a sample does not depend on what else is in the batch. Each engine
-records the log-probability of each sampled token under the raw model (temperature 1, no top-p,
-over the tokenizer's ids): the sampling-time log-probs the policy-gradient ratio compares against.
+records the log-probability of each sampled token under the policy it was sampled from: the
+model's logits over the tokenizer's ids, divided by the temperature, truncated to the top-p
+nucleus (``engines.sampling``); the importance ratio of the update compares against it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class Rollout:
     prompt_mask_B_Sp: torch.Tensor  # 1 on real prompt tokens
     completion_ids_B_T: torch.Tensor  # sampled tokens, padded on the right with pad_id
     completion_mask_B_T: torch.Tensor  # 1 on sampled tokens up to and including the first EOS
-    sampling_logp_B_T: torch.Tensor  # raw-model log p of each sampled token (0 on padding)
+    sampling_logp_B_T: torch.Tensor  # log π (the sampling policy) of each sampled token (0 on padding)
     truncated_B: torch.Tensor  # bool: hit the token cap without emitting EOS
     prompt_index_B: torch.Tensor  # which prompt each row answers
 

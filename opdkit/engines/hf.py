@@ -9,7 +9,8 @@ is set aside for the call, because ``generate`` fills every unset field from it.
 bf16 inference copy, refreshed by ``sync_weights`` (LoRA merged in).
 
 Both sample ids below ``len(tokenizer)`` only (a model with padding embedding rows never emits
-one) and record raw-model log-probs over those ids.
+one) and record log π of each sampled token: the policy it was drawn from, tempered and
+top-p-truncated over those ids (``engines.sampling``'s convention).
 """
 
 from __future__ import annotations

@@ -1,4 +1,19 @@
-"""Seeded sampling: temperature, top-p, then Gumbel-max with counter-based noise.
+"""The student's sampling policy, and seeded sampling from it (Gumbel-max with counter-based noise).
+
+The convention, one for every engine (HF ``generate``, the static decoder, vLLM) and for the
+update: a rollout at ``temperature`` τ and ``top_p`` p samples from the policy
+
+    π(v) = softmax(z / τ)(v) renormalised over the nucleus S, for v in S (0 outside S),
+
+where z are the model's logits over the tokenizer's ids (padding rows of the embedding are not
+ids) and S is the smallest set of ids, taken from the most probable down, whose mass under
+softmax(z / τ) reaches p (all ids at p = 1). Greedy decoding (τ <= 0) is the model's own
+distribution, τ = 1 and p = 1, as vLLM treats it. ``policy_logits`` is that function of the
+logits; each engine records log π of every sampled token (``policy_scores``), and the losses
+differentiate log π computed the same way from the current logits (verl's convention for the
+temperature, with top-p honoured too: S is recomputed, and a sampled token that falls outside it,
+by rounding, has π = 0). At τ = 1 and p = 1 every function here returns its input's own values,
+bit for bit.
 
 The noise for token index ``t`` of a row is a hash of ``(row seed, t, vocabulary id)`` in integer
 arithmetic, so it is the same on every device and for every batch composition: a sample depends
@@ -26,15 +41,37 @@ def sample_seed(seed: int, step: int, index: int) -> int:
 
 
 def top_p_filter(logits_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Set logits outside the smallest set with cumulative probability >= top_p to -inf."""
+    """Set logits outside the smallest set with cumulative probability >= top_p to -inf (any
+    leading axes; the last is the vocabulary). The input itself when top_p >= 1."""
     if top_p >= 1.0:
         return logits_B_V
     sorted_B_V, order_B_V = torch.sort(logits_B_V, descending=True, dim=-1)
     probs_B_V = sorted_B_V.softmax(dim=-1)
     remove_B_V = (probs_B_V.cumsum(dim=-1) - probs_B_V) >= top_p  # mass before this entry already >= top_p
-    remove_B_V[:, 0] = False
+    remove_B_V[..., 0] = False
     sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
     return torch.empty_like(logits_B_V).scatter_(-1, order_B_V, sorted_B_V)
+
+
+def policy_settings(temperature: float, top_p: float) -> tuple[float, float]:
+    """(τ, p) of the policy that sampling at ``temperature`` / ``top_p`` draws from: greedy
+    (temperature <= 0) is the model's own distribution, (1.0, 1.0)."""
+    if temperature <= 0:
+        return 1.0, 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r}: expected 0 < top_p <= 1 (params key rollout.top_p)")
+    return float(temperature), float(top_p)
+
+
+def policy_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float, n_vocab: int | None = None) -> torch.Tensor:
+    """The logits of the sampling policy π (module docstring), in the input's dtype and with its
+    leading axes: ids >= ``n_vocab`` and ids outside the top-p nucleus -inf, divided by the
+    temperature (greedy: 1). The input itself at τ = 1, p = 1 with no padding rows."""
+    tau, p = policy_settings(temperature, top_p)
+    z_B_V = mask_vocab(logits_B_V, n_vocab)
+    if tau != 1.0:
+        z_B_V = z_B_V / tau
+    return top_p_filter(z_B_V, p)
 
 
 # splitmix64 constants as signed int64 (torch integer arithmetic wraps modulo 2**64)
@@ -77,26 +114,28 @@ def mask_vocab(logits_B_V: torch.Tensor, n_vocab: int | None) -> torch.Tensor:
                                  float("-inf"))
 
 
-def perturbed_logits(raw_B_V: torch.Tensor, seeds_B: torch.Tensor, t, temperature: float, top_p: float,
-                     n_vocab: int | None = None) -> torch.Tensor:
-    """Tempered, top-p-filtered logits (ids < ``n_vocab`` only) plus Gumbel noise, float64: their
-    argmax is a sample from the tempered, top-p-truncated softmax (greedy if temperature <= 0)."""
-    raw_B_V = mask_vocab(raw_B_V, n_vocab)
+def policy_scores(raw_B_V: torch.Tensor, seeds_B: torch.Tensor, t, temperature: float, top_p: float,
+                  n_vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sampling step from the raw logits (B, V): ``(scores_B_V, logp_B_V)``.
+
+    ``scores_B_V`` (float64): the policy's logits plus token ``t``'s Gumbel noise (no noise when
+    greedy); their argmax is a sample from π. ``logp_B_V`` (float32): log π over the same
+    nucleus (taken from the float64 logits, so a sampled id is always inside it), -inf outside:
+    the log-prob each engine records for the sampled token. The nucleus is chosen in float64,
+    the log-probs in float32 as the update computes them (``policy_logits`` of fp32 logits).
+    """
+    z64_B_V = policy_logits(raw_B_V.double(), temperature, top_p, n_vocab)
+    tau, _ = policy_settings(temperature, top_p)
+    z32_B_V = raw_B_V.float() if tau == 1.0 else raw_B_V.float() / tau
+    logp_B_V = z32_B_V.masked_fill(z64_B_V == float("-inf"), float("-inf")).log_softmax(dim=-1)
     if temperature <= 0:
-        return raw_B_V
-    logits_B_V = top_p_filter(raw_B_V.double() / temperature, top_p)
+        return z64_B_V, logp_B_V
     gumbel_B_V = -torch.log(-torch.log(uniform_noise(seeds_B, t, raw_B_V.shape[1])))
-    return logits_B_V + gumbel_B_V
-
-
-def raw_logprobs(raw_B_V: torch.Tensor, n_vocab: int | None = None) -> torch.Tensor:
-    """Log-softmax of the raw logits (temperature 1, no top-p) over the ids < ``n_vocab``, (B, V)
-    float32 (-inf on the masked ids): the scale of the recorded sampling-time log-probs."""
-    return mask_vocab(raw_B_V.float(), n_vocab).log_softmax(dim=-1)
+    return z64_B_V + gumbel_B_V, logp_B_V
 
 
 class SeededSampler(LogitsProcessor):
-    """Per-row seeded sampling inside greedy ``generate``; records raw log-probs of chosen tokens."""
+    """Per-row seeded sampling inside greedy ``generate``; records log π of the chosen tokens."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, prompt_width: int, device,
                  n_vocab: int | None = None):
@@ -113,10 +152,10 @@ class SeededSampler(LogitsProcessor):
         t = input_ids.shape[1] - self.prompt_width  # index of the token sampled now
         if t > 0:
             self._record(input_ids[:, -1])
-        raw_B_V = scores.float()
-        self.prev_logp_B_V = raw_logprobs(raw_B_V, self.n_vocab)
         # float64 scores: generate's greedy argmax then picks what the static decoder's argmax picks
-        return perturbed_logits(raw_B_V, self.seeds_B, t, self.temperature, self.top_p, self.n_vocab)
+        perturbed_B_V, self.prev_logp_B_V = policy_scores(scores.float(), self.seeds_B, t, self.temperature, self.top_p,
+                                                          self.n_vocab)
+        return perturbed_B_V
 
     def finish(self, completion_ids_B_T: torch.Tensor) -> torch.Tensor:
         """Log-probs of the sampled tokens, (B, T); call once after ``generate``."""

@@ -20,7 +20,10 @@ def engine_name(cfg, device: torch.device) -> str:
 
 
 def check_params(cfg, device: torch.device) -> None:
-    """What the engine choice requires of the params (raised before anything is written)."""
+    """What the engine choice and the sampling settings require of the params (raised before
+    anything is written)."""
+    if not 0.0 < cfg.rollout.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r}: expected 0 < top_p <= 1 (1 = no truncation)")
     if engine_name(cfg, device) != "vllm":
         return
     if loss_table.samples_from(cfg.loss) == "teacher":

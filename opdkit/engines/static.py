@@ -21,9 +21,11 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   of small kernels (each costs microseconds however small), not by the weight reads: this halves
   it against the modules' own forward, which is still used for other architectures.
 
-Sampling is ``sampling.perturbed_logits``, as in the ``generate`` path: a sample depends only on
-its seed and the logits. Off CUDA (or ``use_graphs=False``) the same steps run eagerly, which is
-how the CPU tests check this path against ``generate``.
+Sampling and the recorded log-probs are ``sampling.policy_scores``, as in the ``generate`` path:
+a sample depends only on its seed and the logits, and its log-prob is log π of the policy it was
+drawn from (tempered, top-p-truncated, over the tokenizer's ids). Off CUDA (or
+``use_graphs=False``) the same steps run eagerly, which is how the CPU tests check this path
+against ``generate``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import inspect
 
 import torch
 
-from opdkit.engines.sampling import perturbed_logits, raw_logprobs
+from opdkit.engines.sampling import policy_scores
 from opdkit.engines.weights import merged_weights, plain
 
 ATTN_NAME = "opdkit_static"
@@ -216,7 +218,7 @@ class StaticDecoder:
     @torch.no_grad()
     def generate(self, ids_B_Sp, mask_B_Sp, seeds: list[int], *, temperature: float, top_p: float,
                  max_new_tokens: int, eos_ids: list[int], check_every: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sampled tokens (B, T) and their raw-model log-probs (B, T); T <= max_new_tokens (stops
+        """Sampled tokens (B, T) and their log-probs under the sampling policy (B, T); T <= max_new_tokens (stops
         once every row has emitted an EOS, checked every ``check_every`` tokens)."""
         from transformers import StaticCache
 
@@ -241,10 +243,11 @@ class StaticDecoder:
             h_B_Sp_H = decoder(input_ids=ids_B_Sp, attention_mask=mask_B_1_Sp_Sp, position_ids=pos_B_Sp,
                                use_cache=True, **{self.cache_kw: cache}).last_hidden_state
             t_dev = torch.zeros((), dtype=torch.int64, device=dev)  # index of the token being sampled
-            raw_B_V = head(h_B_Sp_H[:, -1]).float()
-            tok_B = perturbed_logits(raw_B_V, seeds_B, t_dev, temperature, top_p, self.n_vocab).argmax(-1)
+            scores_B_V, logp_B_V = policy_scores(head(h_B_Sp_H[:, -1]).float(), seeds_B, t_dev, temperature, top_p,
+                                                 self.n_vocab)
+            tok_B = scores_B_V.argmax(-1)
             out_ids_B_T[:, 0] = tok_B
-            out_logp_B_T[:, 0] = raw_logprobs(raw_B_V, self.n_vocab).gather(1, tok_B[:, None])[:, 0]
+            out_logp_B_T[:, 0] = logp_B_V.gather(1, tok_B[:, None])[:, 0]
             done_B = torch.isin(tok_B, eos_E)
             pos_B = mask_B_Sp.long().sum(1)  # position of token 0 = number of real prompt tokens
             t_dev += 1
@@ -253,8 +256,9 @@ class StaticDecoder:
                 """Feed token t-1 (slot Sp-1+t), sample token t, attending to slots < n; device tensors only."""
                 visible_B_L.index_fill_(1, (t_dev + (Sp - 1)).view(1), True)
                 raw_B_V = self._forward(tok_B, pos_B, visible_B_L[:, None, None, :n], cache)
-                new_B = perturbed_logits(raw_B_V, seeds_B, t_dev, temperature, top_p, self.n_vocab).argmax(-1)
-                logp_B = raw_logprobs(raw_B_V, self.n_vocab).gather(1, new_B[:, None])[:, 0]
+                scores_B_V, logp_B_V = policy_scores(raw_B_V, seeds_B, t_dev, temperature, top_p, self.n_vocab)
+                new_B = scores_B_V.argmax(-1)
+                logp_B = logp_B_V.gather(1, new_B[:, None])[:, 0]
                 out_ids_B_T.index_copy_(1, t_dev.view(1), new_B[:, None])
                 out_logp_B_T.index_copy_(1, t_dev.view(1), logp_B[:, None])
                 done_B.logical_or_(torch.isin(new_B, eos_E))

@@ -20,16 +20,30 @@ torchrun, ``external_launcher``), in this process (``VLLM_ENABLE_V1_MULTIPROCESS
 - vLLM seeds the process's global RNGs when it starts in-process: the trainer's RNG state
   (python, numpy, torch CPU and CUDA) is restored after the engine is built.
 
+Vocabulary: the engine is built with ``hf_overrides={"vocab_size": len(tokenizer)}`` when the
+checkpoint has more embedding rows than its tokenizer has ids (every Qwen2.5 / Qwen3 /
+R1-Distill checkpoint), so its embedding and LM head hold exactly the tokenizer's ids (vLLM pads
+them internally and its ``LogitsProcessor`` cuts the logits back to that count) and
+``sync_weights`` pushes the embedding and head cut to their first ``len(tokenizer)`` rows (a tied
+head is the embedding). The sampler then never sees a padding row, and its log-probs are
+normalised over the ids the trainer scores over (``teacher.SharedVocabHead``), at no cost per
+step and with no per-request list (vLLM 0.26's GPU model runner caps
+``SamplingParams.allowed_token_ids`` at 1,024 ids). With rows = ids nothing is overridden or cut.
+
 Sampling: one request per sample with ``SamplingParams(n=1, seed=<that sample's seed>,
 temperature, top_p, max_tokens, logprobs=0)`` (so greedy, where vLLM requires n = 1, works for any
-G, and a sample's seed is its own), restricted to the tokenizer's ids where the model has padding
-rows (``allowed_token_ids``). ``logprobs_mode="raw_logprobs"``: the log-prob returned for each
-sampled token is under the raw model (temperature 1, no top-p; over all rows of the head), the
-scale ``Rollout`` promises. vLLM samples in bf16 with its own noise: its rollouts are reproducible
-for a fixed batch but differ from the HF engine's, and its log-probs differ from the recomputed
-fp32 ones by bf16 rounding.
+G, and a sample's seed is its own). ``logprobs_mode="processed_logprobs"``: the log-prob returned
+for each sampled token is that of the distribution it was sampled from, the logits divided by the
+temperature and truncated to the top-p nucleus (vLLM's ``Sampler.apply_sampling_params`` then
+``apply_top_k_top_p``; greedy: the raw logits), the scale ``Rollout`` promises
+(``engines.sampling``'s convention). ``max_num_seqs`` is the rows one rollout gives this rank
+(vLLM then captures CUDA graphs for batch sizes up to twice that, not up to 512: a shorter
+start). vLLM samples in bf16 with its own noise: its rollouts are reproducible for a fixed batch
+but differ from the HF engine's, and its log-probs differ from the recomputed fp32 ones by bf16
+rounding (the tempered logits are bf16 too).
 
-``request_params`` and ``to_rollout`` are plain functions, tested without vLLM.
+``request_params``, ``llm_kwargs``, ``pushed_weights`` and ``to_rollout`` are plain functions,
+tested without vLLM.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import numpy as np
 import torch
 
 from opdkit.engines.base import Rollout, completion_mask, left_pad, pad_and_eos, sampling_vocab
+from opdkit.engines.sampling import policy_settings
 from opdkit.engines.weights import merged_weights, plain
 
 ENGINES_BUILT = 0  # VLLMEngines made in this process (a second colocated engine is refused)
@@ -53,21 +68,56 @@ def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def request_params(*, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int, eos_ids: list[int],
-                   n_vocab: int | None = None) -> list[dict]:
-    """``SamplingParams`` keyword arguments, one request (n = 1) per sample, with its own seed."""
-    extra = {"allowed_token_ids": list(range(n_vocab))} if n_vocab is not None else {}
-    return [dict(n=1, temperature=max(0.0, temperature), top_p=top_p, max_tokens=max_new_tokens, seed=s,
-                 logprobs=0, stop_token_ids=list(eos_ids), detokenize=False, **extra)
+def request_params(*, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int,
+                   eos_ids: list[int]) -> list[dict]:
+    """``SamplingParams`` keyword arguments, one request (n = 1) per sample, with its own seed;
+    greedy (temperature <= 0) with top-p off, as vLLM treats it. No per-request vocabulary list:
+    the padding rows are cut from the engine's head instead (``llm_kwargs``)."""
+    _, p = policy_settings(temperature, top_p)
+    return [dict(n=1, temperature=max(0.0, temperature), top_p=p, max_tokens=max_new_tokens, seed=s, logprobs=0,
+                 stop_token_ids=list(eos_ids), detokenize=False)
             for s in seeds]
+
+
+def llm_kwargs(cfg, path: str, n_vocab: int | None, *, world_size: int = 1, cuda: bool = True) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for the student at HF directory ``path`` (module
+    docstring): ``n_vocab`` = the tokenizer's ids when the model has more embedding rows (None:
+    rows = ids, nothing overridden); ``world_size`` ranks share a rollout's rows."""
+    R = cfg.rollout
+    rows = -(-R.prompts_per_step * R.samples_per_prompt // world_size)  # one rollout's rows on this rank
+    kw = dict(model=path, tokenizer=path, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
+              tensor_parallel_size=1, load_format="dummy", runner="generate",
+              max_model_len=R.max_prompt_tokens + R.max_new_tokens, max_num_seqs=max(1, rows),
+              gpu_memory_utilization=R.gpu_memory_utilization, enable_sleep_mode=cuda, enable_prefix_caching=True,
+              logprobs_mode="processed_logprobs")
+    if n_vocab is not None:
+        kw["hf_overrides"] = {"vocab_size": n_vocab}
+    return kw
+
+
+def embedding_names(model) -> set[str]:
+    """The names (as ``merged_weights`` yields them) of ``model``'s input embedding and LM head
+    weights: both names of a tied pair."""
+    base = plain(model)
+    mods = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+    return {name.replace(".base_layer.", ".") for name, p in base.named_parameters(remove_duplicate=False)
+            if any(p is m.weight for m in mods)}
+
+
+def pushed_weights(model, n_vocab: int | None):
+    """(name, bf16 tensor) of what ``sync_weights`` pushes: ``merged_weights``, with the embedding
+    and LM head cut to their first ``n_vocab`` rows (the tokenizer's ids; None: as they are)."""
+    cut = embedding_names(model) if n_vocab is not None else set()
+    for name, w in merged_weights(model):
+        yield name, (w[:n_vocab] if name in cut else w).to(torch.bfloat16)
 
 
 def to_rollout(outputs, rows: list[list[int]], samples_per_prompt: int, pad_id: int, eos_ids: list[int],
                device: torch.device | str = "cpu") -> Rollout:
     """vLLM ``RequestOutput``s (one per sample, in row order, each with one ``CompletionOutput``)
     -> a ``Rollout`` laid out as the HF engine's: rows prompt-major, prompts left-padded,
-    completions right-padded with ``pad_id``, mask through the first EOS, raw-model log-probs of
-    the sampled tokens (0 on padding), truncated = no EOS within the token cap.
+    completions right-padded with ``pad_id``, mask through the first EOS, the sampling policy's
+    log-probs of the sampled tokens (0 on padding), truncated = no EOS within the token cap.
 
     A ``CompletionOutput`` holds ``token_ids`` (the EOS included when it stopped there) and
     ``logprobs``: per position a mapping token id -> ``Logprob(logprob=...)`` holding at least
@@ -148,20 +198,17 @@ class VLLMEngine:
         self.pad_id, self.eos_ids = pad_and_eos(base, tokenizer)
         self.n_vocab = sampling_vocab(base, tokenizer)
         self.max_prompt_tokens = cfg.rollout.max_prompt_tokens
-        kw = {}
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        kw = llm_kwargs(cfg, path, self.n_vocab, world_size=torch.distributed.get_world_size() if distributed else 1,
+                        cuda=device.type == "cuda")
+        if distributed:
             kw["distributed_executor_backend"] = "external_launcher"  # one engine per torchrun rank, in-process
         else:  # keep the engine core in this process, so weights can be pushed into its model
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         rng = _rng_state()
         t0, free0 = time.perf_counter(), _free_gpu_bytes(device)
         try:
-            self.llm = vllm.LLM(
-                model=path, tokenizer=path, skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
-                tensor_parallel_size=1, load_format="dummy", runner="generate",
-                max_model_len=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
-                enable_prefix_caching=True, logprobs_mode="raw_logprobs", **kw)
+            self.llm = vllm.LLM(**kw)
         finally:
             _set_rng_state(rng)  # vLLM seeded the global RNGs: the trainer's streams go on as before
         ENGINES_BUILT += 1
@@ -188,11 +235,12 @@ class VLLMEngine:
             self.awake.add(tag)
 
     def sync_weights(self, model) -> None:
-        """Push the live weights (LoRA merged, bf16, one tensor at a time) into the engine."""
+        """Push the live weights (LoRA merged, bf16, one tensor at a time; embedding and head cut to
+        the tokenizer's ids) into the engine."""
         self._wake("weights")
 
         def push(vllm_model):
-            names = vllm_model.load_weights(weights=((k, v.to(torch.bfloat16)) for k, v in merged_weights(model)))
+            names = vllm_model.load_weights(weights=pushed_weights(model, self.n_vocab))
             expected = {n for n, _ in vllm_model.named_parameters()}
             return sorted(expected - set(names)) if names is not None else None
 
@@ -218,8 +266,7 @@ class VLLMEngine:
             raise ValueError(f"a prompt of {longest} tokens is longer than rollout.max_prompt_tokens="
                              f"{self.max_prompt_tokens} (the vLLM engine's max_model_len is that + max_new_tokens)")
         params = [self.SamplingParams(**kw) for kw in request_params(
-            seeds=seeds, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
-            n_vocab=self.n_vocab)]
+            seeds=seeds, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids)]
         self._wake("weights")
         self._wake("kv_cache")
         try:

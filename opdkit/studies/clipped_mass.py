@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 from opdkit import losses
 from opdkit.config import Config
 from opdkit.stats import kl_bin_means
-from opdkit.studies.common import new_figure, prepare, row_chunks, study_header, tau_label, write_json
+from opdkit.studies.common import (new_figure, position_chunks, prepare, row_chunks, study_header, tau_label,
+                                   write_json)
 from opdkit.studies.padding import hidden_at, reference_geometry
 from opdkit.teacher import full_logprobs, unwrap
 
@@ -138,15 +139,19 @@ def clipped_mass_stats(chunks: Iterable[tuple[torch.Tensor, torch.Tensor, torch.
 
 def score_chunks(student, teacher, ro, chunk: int, progress: bool = False):
     """Yield (student logits, teacher log-probs, mask) over the vocabulary at the reference
-    geometry, one row chunk (about ``chunk`` positions) at a time."""
+    geometry, about ``chunk`` positions at a time: hidden states per block of whole rows, logits
+    per slice of positions of that block (``studies.common``: never (rows, T, V) at once)."""
     B, T = ro.completion_ids_B_T.shape
     for rows in tqdm(row_chunks(B, T, chunk), desc="clipped-mass study", unit="chunk", disable=not progress):
         sg = reference_geometry(ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows], ro.completion_ids_B_T[rows],
                                 ro.completion_mask_B_T[rows])
         with torch.no_grad():
-            s_logits_B_T_V = unwrap(student)[1](hidden_at(student, sg)).float()
-            t_logp_B_T_V = full_logprobs(unwrap(teacher)[1], hidden_at(teacher, sg), chunk)
-        yield s_logits_B_T_V, t_logp_B_T_V, ro.completion_mask_B_T[rows]
+            s_h_B_T_H, t_h_B_T_H = hidden_at(student, sg), hidden_at(teacher, sg)
+        for cols in position_chunks(s_h_B_T_H.shape[0], T, chunk):
+            with torch.no_grad():
+                s_logits_B_C_V = unwrap(student)[1](s_h_B_T_H[:, cols]).float()
+                t_logp_B_C_V = full_logprobs(unwrap(teacher)[1], t_h_B_T_H[:, cols], chunk)
+            yield s_logits_B_C_V, t_logp_B_C_V, ro.completion_mask_B_T[rows, cols]
 
 
 def clipped_mass_study(cfg: Config, out: str | Path, progress: bool = True) -> dict:

@@ -1,5 +1,9 @@
 """What both studies share: the models, one set of real student rollouts, chunking, JSON, plots.
 
+Chunking: hidden states are computed for a block of whole rows (``row_chunks``), and
+full-vocabulary log-probs for about ``runtime.logprob_chunk`` positions at a time of those rows
+(``position_chunks``), so a study at 7k tokens never holds (rows, T, V) fp32 logits at once.
+
 Both studies score the same rollouts: ``studies.n_prompts`` eval prompts x
 ``studies.samples_per_prompt`` samples from the student (HF engine, ``rollout.temperature`` /
 ``top_p`` / ``max_new_tokens``), sample ``i`` seeded with ``sample_seed(seed, 0, i)``. The teacher
@@ -21,10 +25,11 @@ import torch
 from opdkit import paths
 from opdkit.config import Config, to_dict
 from opdkit.data import encode_prompt, load_examples
-from opdkit.models import check_same_vocab, load_model, load_tokenizer, pick_device, setup_torch, use_shared_vocab
+from opdkit.models import load_model, load_tokenizer, pick_device, setup_torch
 from opdkit.engines.base import Rollout
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
+from opdkit.pairs import check_same_vocab, use_shared_vocab
 
 
 @dataclass
@@ -73,9 +78,18 @@ def prepare(cfg: Config, progress: bool = True) -> StudySetup:
 
 
 def row_chunks(n_rows: int, T: int, positions_per_chunk: int) -> list[slice]:
-    """Row slices of about ``positions_per_chunk`` completion positions each (at least one row)."""
+    """Row slices of about ``positions_per_chunk`` completion positions each (at least one row):
+    the rows whose hidden states are computed together (a decoder forward needs whole rows)."""
     step = max(1, positions_per_chunk // max(1, T))
     return [slice(s, min(n_rows, s + step)) for s in range(0, n_rows, step)]
+
+
+def position_chunks(n_rows: int, T: int, positions_per_chunk: int) -> list[slice]:
+    """Slices of the T completion positions such that ``n_rows`` rows x one slice hold at most
+    ``positions_per_chunk`` positions (``runtime.logprob_chunk``; at least one position): the
+    blocks whose (rows, positions, V) fp32 log-probs exist at a time. One slice when the rows fit."""
+    width = max(1, positions_per_chunk // max(1, n_rows))
+    return [slice(s, min(T, s + width)) for s in range(0, T, width)] or [slice(0, 0)]
 
 
 def rollout_summary(ro: Rollout) -> dict:

@@ -33,7 +33,7 @@ from opdkit import losses
 from opdkit.config import Config
 from opdkit.opd import Batch, alignment_report
 from opdkit.engines.base import Rollout
-from opdkit.studies.common import (log_floor, new_figure, prepare, row_chunks, study_header,
+from opdkit.studies.common import (log_floor, new_figure, position_chunks, prepare, row_chunks, study_header,
                                    write_json)
 from opdkit.teacher import AlignmentError, Geometry, build_geometry, check_alignment, full_logprobs, unwrap
 
@@ -131,22 +131,33 @@ def padding_offsets(models: dict, ro: Rollout, pad_id: int, ks: list[int], chunk
     dlogp = {(s, m, k): [] for s in SIDES for m in models for k in ks}
     signal, signal_f = [], []
     chunks = row_chunks(B, T, chunk)
+
+    def logp(name, h_B_T_H, cols):  # (rows, C, V) fp32: about `chunk` positions at a time
+        return full_logprobs(unwrap(models[name])[1], h_B_T_H[:, cols], chunk)
+
     for rows in tqdm(chunks, desc="padding study", unit="chunk", disable=not progress):
         args = (ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows], ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
         ids_B_T, mask_B_T = args[2], args[3]
-        m = mask_B_T != 0
+        col_chunks = position_chunks(ids_B_T.shape[0], T, chunk)
         ref_sg = reference_geometry(*args)
-        ref = {name: full_logprobs(unwrap(model)[1], hidden_at(model, ref_sg), chunk) for name, model in models.items()}
-        if "teacher" in ref and "student" in ref:
-            signal.append(losses.reverse_kl_per_token(ref["student"], ref["teacher"])[m])
-            signal_f.append(losses.forward_kl_per_token(ref["student"], ref["teacher"])[m])
+        ref_h = {name: hidden_at(model, ref_sg) for name, model in models.items()}
+        if "teacher" in ref_h and "student" in ref_h:
+            for cols in col_chunks:
+                s_B_C_V, t_B_C_V = logp("student", ref_h["student"], cols), logp("teacher", ref_h["teacher"], cols)
+                m = mask_B_T[:, cols] != 0
+                signal.append(losses.reverse_kl_per_token(s_B_C_V, t_B_C_V)[m])
+                signal_f.append(losses.forward_kl_per_token(s_B_C_V, t_B_C_V)[m])
         for k in ks:
             for side, make in (("right", right_pad_geometry), ("left", left_pad_geometry)):
                 sg = make(*args, k, pad_id)
                 for name, model in models.items():
-                    logp_B_T_V = full_logprobs(unwrap(model)[1], hidden_at(model, sg), chunk)
-                    kl[side, name, k].append(token_kl(ref[name], logp_B_T_V, mask_B_T))
-                    dlogp[side, name, k].append((_sampled(logp_B_T_V, ids_B_T) - _sampled(ref[name], ids_B_T)).abs()[m])
+                    h_B_T_H = hidden_at(model, sg)
+                    for cols in col_chunks:
+                        ref_B_C_V, logp_B_C_V = logp(name, ref_h[name], cols), logp(name, h_B_T_H, cols)
+                        m, ids_B_C = mask_B_T[:, cols] != 0, ids_B_T[:, cols]
+                        kl[side, name, k].append(token_kl(ref_B_C_V, logp_B_C_V, mask_B_T[:, cols]))
+                        d_N = (_sampled(logp_B_C_V, ids_B_C) - _sampled(ref_B_C_V, ids_B_C)).abs()[m]
+                        dlogp[side, name, k].append(d_N)
 
     def cat(parts):
         return torch.cat(parts) if parts else torch.zeros(0)

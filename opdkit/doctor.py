@@ -1,0 +1,239 @@
+"""``opdkit doctor``: the pre-flight checks that a teacher/student pair will work, as one table.
+
+``diagnose(cfg)`` returns ``Finding`` lines (OK / WARN / FAIL with the fix, SKIP where a check
+does not apply here or one it needs failed) and writes nothing. First the params
+(``setup.check_params``) and the file-level checks ``opdkit train`` runs before it starts
+(``opdkit.pairs``); then, with the models loaded as training loads them (fp32 student, teacher in
+the compute dtype, both scored over the shared vocabulary), on one batch of the student's rollouts
+(``doctor.n_prompts`` prompts, one sample each, at most ``doctor.max_new_tokens`` tokens, at
+``rollout.temperature`` / ``rollout.top_p``):
+
+- memory: an estimate of a training step's peak on the visible device (``opdkit.memory``);
+- alignment, per engine: the sampling-time log-probs against the recomputed ones
+  (``opd.alignment_report``, the check every run makes on its first batch): the HF engine here,
+  vLLM where it is installed and the device is CUDA;
+- self KL: the student as its own teacher through the loss path (``opd.score_batch`` +
+  ``opd.micro_losses``) must give KL ~ 0;
+- teacher repeat: the teacher scores the batch twice, identically (no dropout, no nondeterminism).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import textwrap
+
+import torch
+
+from opdkit import loss_table, opd, pairs
+from opdkit.config import Config, ConfigError, replace
+from opdkit.data import encode_prompt
+from opdkit.engines import vllm as vllm_engine
+from opdkit.engines.base import left_pad
+from opdkit.engines.select import check_params as check_engine_params
+from opdkit.engines.select import engine_name, make_engine
+from opdkit.memory import GIB, device_memory, estimate, fixed, model_shape, peak
+from opdkit.models import ModelError, compute_dtype, load_model, pick_device, setup_torch
+from opdkit.pairs import FAIL, OK, SKIP, WARN, Finding, Inputs
+from opdkit.setup import RunError, check_params
+from opdkit.teacher import AlignmentError
+
+LIVE_CHECKS = ("memory", "alignment (hf)", "self KL", "teacher repeat", "alignment (vllm)")
+
+
+def diagnose(cfg: Config, log=lambda _: None) -> list[Finding]:
+    """Every check, in order (see the module docstring); ``log`` hears what is being done."""
+    device = pick_device(cfg.runtime)
+    findings = [params_finding(cfg, device)]
+    inputs, found = pairs.check_inputs(cfg, strict=False)
+    findings += found
+    if inputs is None:
+        return findings + [Finding(c, SKIP, "not run: fix the FAIL lines above first") for c in LIVE_CHECKS]
+    return findings + live_checks(cfg, inputs, device, log)
+
+
+def params_finding(cfg: Config, device: torch.device) -> Finding:
+    try:
+        check_params(cfg)
+        check_engine_params(cfg, device)
+    except (RunError, ConfigError) as e:
+        return Finding("params", FAIL, str(e), "change the params (-p, -r, -S) as it says")
+    R = cfg.rollout
+    return Finding("params", OK, f"loss.name={cfg.loss.name}, teacher.source={cfg.teacher.source}, {R.prompts_per_step} "
+                   f"prompts x {R.samples_per_prompt} samples x {R.max_new_tokens} new tokens per step, "
+                   f"engine {engine_name(cfg, device)} on {device}")
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """The step's autocast (``setup.Run.autocast``), as a factory."""
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[Finding]:
+    setup_torch(cfg.runtime)
+    torch.manual_seed(cfg.seed)
+    dtype = compute_dtype(cfg.runtime, device)
+    tok = inputs.tokenizer
+    examples = inputs.examples[: cfg.doctor.n_prompts]
+    prompts = [encode_prompt(ex, tok, cfg.data) for ex in examples]
+    out = [memory_finding(cfg, inputs, prompts, device)]
+    log(f"loading the models on {device}")
+    try:
+        student = load_model(inputs.student_path, device, dtype, "student model", trainable=True)
+        models = {"student model": (inputs.student_path, student)}
+        teacher = None
+        if inputs.teacher_path is not None:
+            teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
+            models["teacher model"] = (inputs.teacher_path, teacher)
+        pairs.use_shared_vocab(tok, models, log=lambda _: None)
+    except ModelError as e:
+        return out + [Finding("models", FAIL, str(e), "the directories above load as configs but not as models: "
+                              "re-export them with save_pretrained")] + [
+            Finding(c, SKIP, "not run: the models did not load") for c in LIVE_CHECKS[1:]]
+    student.train()  # as build_run leaves it (dropout, if the model has any, is on)
+    ac = autocast(device, dtype)
+    cfg_hf = replace(cfg, "rollout.engine=hf")
+    log(f"sampling {len(prompts)} prompts from the student (hf engine)")
+    batch = sample_batch(cfg_hf, student, tok, examples, prompts, ac)
+    out.append(alignment_finding("alignment (hf)", cfg_hf, batch, student, opd.check_precision(cfg_hf, dtype, device), ac))
+    own = opd.Batch(batch.rollout, batch.rollout.prompt_ids_B_Sp, batch.rollout.prompt_mask_B_Sp)  # the student's prompts
+    cfg_self = cfg if loss_table.samples_from(cfg.loss) == "student" else replace(cfg, "loss.name=rkl")
+    tol = opd.alignment_tolerance(cfg, opd.check_precision(cfg_hf, dtype, device))[1]
+    log("scoring the batch: the student against itself, the teacher twice")
+    out.append(self_kl_finding(cfg_self, student, own, ac, tol))
+    out.append(teacher_repeat_finding(cfg_self, teacher, own, ac, tol))
+    out.append(vllm_finding(cfg, student, tok, examples, prompts, dtype, device, ac, log))
+    return out
+
+
+def sample_batch(cfg: Config, student, tok, examples, prompts, ac) -> opd.Batch:
+    """One sample per prompt from ``cfg``'s engine, laid out as a training step's batch (the
+    teacher's prompts: the same, or the privileged ones)."""
+    n = min(cfg.doctor.max_new_tokens, cfg.rollout.max_new_tokens)
+    engine = make_engine(cfg, student, tok)
+    engine.sync_weights(student)
+    with ac():
+        ro = engine.sample(prompts, samples_per_prompt=1, seeds=opd.step_seeds(cfg.seed, 0, len(prompts)),
+                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=n)
+    if cfg.teacher.source == "model":
+        return opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
+    priv = [encode_prompt(ex, tok, cfg.data, privileged=True) for ex in examples]
+    return opd.Batch(ro, *left_pad(priv, tok.pad_token_id, ro.completion_ids_B_T.device))
+
+
+def alignment_finding(check: str, cfg: Config, batch: opd.Batch, student, precision: torch.dtype, ac) -> Finding:
+    tokens = int(batch.rollout.completion_mask_B_T.sum())
+    try:
+        with ac():
+            r = opd.alignment_report(cfg, batch, student, precision)
+    except AlignmentError as e:
+        return Finding(check, FAIL, str(e), "the loss would train on log-probs of other tokens or positions than were "
+                       "sampled: fix what the message names before training")
+    tol_max, tol_mean = opd.alignment_tolerance(cfg, precision)
+    paths = "; ".join(f"{what}max {r[f'{key}_max_abs_dlogp']:.2g}, mean {r[f'{key}_mean_abs_dlogp']:.2g}"
+                      for key, what in (("recompute", ""), ("teacher_path", "on the teacher's input: "))
+                      if f"{key}_max_abs_dlogp" in r)
+    return Finding(check, OK, f"{tokens} sampled tokens, |sampling-time - recomputed log-prob| {paths} (allowed at "
+                   f"{str(precision).replace('torch.', '')}: max {tol_max:g}, mean {tol_mean:g})")
+
+
+def self_kl_finding(cfg: Config, student, batch: opd.Batch, ac, tol: float) -> Finding:
+    contexts = opd.score_batch(cfg, student, batch, ac)
+    m = opd.micro_losses(cfg, student, batch, contexts, ac)
+    student.zero_grad(set_to_none=True)
+    kl = m["kl"]
+    detail = f"the student as its own teacher through the {cfg.loss.name} loss path: KL {kl:.2g} on {int(m['tokens'])} tokens"
+    if abs(kl) <= tol:  # NaN fails too
+        return Finding("self KL", OK, f"{detail} (allowed {tol:g})")
+    dropout = {k: v for k, v in student.config.to_dict().items()
+               if "dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    why, fix = ((f"the student's config.json sets {', '.join(f'{k}={v}' for k, v in dropout.items())}: dropout is on in "
+                 "training mode, so two passes over the same tokens differ",
+                 "set those dropout probabilities to 0 (OPD compares log-probs of one policy)")
+                if dropout else ("the student's and the teacher's scoring of the same tokens differ",
+                                 "report it with this output: the loss would not be zero where the teacher is the student"))
+    return Finding("self KL", FAIL, f"{detail}, expected ~0 (allowed {tol:g}): {why}", fix)
+
+
+def teacher_repeat_finding(cfg: Config, teacher, batch: opd.Batch, ac, tol: float) -> Finding:
+    if teacher is None:
+        return Finding("teacher repeat", SKIP, f"teacher.source={cfg.teacher.source}: the teacher is the student "
+                       "(self KL checks it)")
+    first, second = (torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, teacher, batch, ac)]) for _ in range(2))
+    m_B_T = batch.rollout.completion_mask_B_T.bool()
+    d = float((first - second)[m_B_T].abs().max()) if m_B_T.any() else 0.0
+    if d == 0.0:
+        return Finding("teacher repeat", OK, f"the teacher scored the batch twice identically ({int(m_B_T.sum())} tokens)")
+    status = WARN if d <= tol else FAIL
+    return Finding("teacher repeat", status, f"the teacher's two scorings of the same batch differ by up to {d:.2g} "
+                   f"per token (allowed {tol:g}): nondeterministic kernels, dropout, or a stochastic layer",
+                   "load the teacher in eval mode with deterministic kernels (torch.use_deterministic_algorithms)")
+
+
+def vllm_finding(cfg: Config, student, tok, examples, prompts, dtype, device, ac, log) -> Finding:
+    if not vllm_engine.available():
+        return Finding("alignment (vllm)", SKIP, "vLLM is not installed here (pip install 'opdkit[vllm]'); training "
+                       "here samples with the HF engine, checked above")
+    if device.type != "cuda":
+        return Finding("alignment (vllm)", SKIP, f"vLLM samples on CUDA; this device is {device.type}")
+    cfg_v = replace(cfg, "rollout.engine=vllm")
+    log(f"sampling {len(prompts)} prompts from the student (vllm engine)")
+    batch = sample_batch(cfg_v, student, tok, examples, prompts, ac)
+    return alignment_finding("alignment (vllm)", cfg_v, batch, student, opd.check_precision(cfg_v, dtype, device), ac)
+
+
+def memory_finding(cfg: Config, inputs: Inputs, prompts: list[list[int]], device: torch.device) -> Finding:
+    """The estimate for a step whose prompts are as long as the longest of ``prompts``."""
+    prompt_tokens = max(map(len, prompts))
+    student = model_shape(inputs.student_path, cfg.lora)
+    teacher = model_shape(inputs.teacher_path) if inputs.teacher_path is not None else None
+    total, free = device_memory(device)
+    parts = estimate(cfg, student, teacher, prompt_tokens, device, engine_name(cfg, device), total)
+    need = peak(parts)
+    phases = {phase: f"{phase} {_size(sum(items.values()))} ({', '.join(f'{k} {_size(v)}' for k, v in items.items())})"
+              for phase, items in parts.items() if items}
+    larger = " and ".join(phases[p] for p in ("rollout", "update") if p in phases)
+    detail = (f"estimate {_size(need)} at a step's peak, of {_size(total)} {'GPU' if device.type == 'cuda' else 'RAM'} "
+              f"({_size(free)} free) on {device}, one process, for the longest prompt of the {len(prompts)} checked "
+              f"({prompt_tokens} tokens): {phases['held']} + the larger of {larger}. An estimate: allocator "
+              "overhead and kernel workspaces are not counted")
+    if fixed(parts) > total:
+        return Finding("memory", FAIL, detail, "the weights, gradients and AdamW moments alone do not fit: "
+                       "-S lora.enabled=true, a smaller student, or torchrun with FSDP2 (divides them by the world size)")
+    if need > free:
+        return Finding("memory", WARN, detail, "-S runtime.grad_checkpointing=true, a smaller optim.micro_batch or "
+                       "runtime.logprob_chunk, fewer rollout.batch_size rows per decode call")
+    return Finding("memory", OK, detail)
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB / MiB / KiB, three significant digits."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n / 2**10:.3g} KiB"
+
+
+def format_table(findings: list[Finding], width: int = 110) -> str:
+    """The findings as aligned lines, long details wrapped, each fix on its own line."""
+    col = max(len(f.check) for f in findings)
+    lines = []
+    for f in findings:
+        head = f"{f.status:<4}  {f.check:<{col}}  "
+        wrap = dict(width=width, subsequent_indent=" " * len(head), break_long_words=False, break_on_hyphens=False)
+        lines.append(textwrap.fill(f.detail, initial_indent=head, **wrap))  # paths stay whole
+        if f.fix:
+            lines.append(textwrap.fill(f.fix, initial_indent=" " * (len(head) - 2) + "> fix: ", **wrap))
+    counts = {s: sum(f.status == s for f in findings) for s in (OK, WARN, FAIL, SKIP)}
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n) +
+                 (": the pair is ready" if not counts[FAIL] else ": fix each FAIL before training"))
+    return "\n".join(lines)
+
+
+def with_pair(cfg: Config, student: str | None, teacher: str | None, data: str | None) -> Config:
+    """``cfg`` with the doctor's --student / --teacher / --data paths (a new config)."""
+    cfg = dataclasses.replace(cfg, student=dataclasses.replace(cfg.student, path=student)) if student else cfg
+    cfg = dataclasses.replace(cfg, teacher=dataclasses.replace(cfg.teacher, path=teacher)) if teacher else cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=data)) if data else cfg

@@ -1,0 +1,151 @@
+"""An estimate of one training process's peak memory on its device, from the models' configs.
+
+What a step holds, as ``opdkit.setup`` / ``opdkit.opd`` hold it (one process, nothing sharded):
+
+- all the time: the student's fp32 master weights (compute in bf16 comes from autocast), the
+  AdamW moments of the trainable parameters (two fp32 tensors each), the teacher's weights in the
+  compute dtype (a privileged teacher: an fp32 copy of the student, or none), and the CUDA static
+  decoder's bf16 copy of the student;
+- while rolling out: the KV cache of one decode call (``rollout.batch_size`` rows, else the
+  step's), or vLLM's share of the GPU (``rollout.gpu_memory_utilization``);
+- while updating: the fp32 gradients, the activations autograd saves for one micro-batch, and one
+  chunk of logits (``runtime.logprob_chunk`` positions x the vocabulary, fp32: logits,
+  log-softmax and their gradient; the teacher's full log-softmax too for full-vocabulary losses).
+
+Activations per token and decoder layer (Llama / Qwen2 layers, SDPA attention): the two RMSNorms'
+inputs and outputs, the q/k/v, o, gate/up and down projections' inputs, attention's q, k, v and
+output, the MLP's gate, up and product: ``9 H + 2 kv + 4 I`` values (``kv``: key-value heads x
+head size, ``I``: the MLP width) in fp32; under bf16 autocast the norms stay fp32 and each
+projection saves its own bf16 cast. With gradient checkpointing a layer keeps only its input
+(``H``) and one layer is recomputed at a time. Allocator overhead, fragmentation and kernel
+workspaces are not counted: this is an estimate, not a measurement.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from opdkit import loss_table
+from opdkit.config import Config
+
+GIB = 2**30
+GRADIENTS = "gradients (fp32)"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model (``model_shape``)."""
+
+    params: int  # every parameter (LoRA adapters included when wrapped)
+    trainable: int  # those the optimizer updates
+    layers: int
+    hidden: int
+    kv: int  # key-value heads x head size
+    intermediate: int
+    rows: int  # output embedding rows (the logits' width)
+
+
+def model_shape(path: str | Path, lora=None) -> ModelShape:
+    """The shape of the model in ``path`` from its config.json: a skeleton on the meta device (no
+    weights read or allocated), wrapped with ``lora`` (a ``LoraConfig`` section) where enabled."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if lora is not None and lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return ModelShape(params=sum(p.numel() for p in model.parameters()),
+                      trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                      layers=text.num_hidden_layers, hidden=text.hidden_size, kv=kv_heads * head_dim,
+                      intermediate=text.intermediate_size, rows=model.get_output_embeddings().weight.shape[0])
+
+
+def activation_bytes_per_token(s: ModelShape, compute_bytes: int, checkpointing: bool) -> int:
+    """Bytes autograd saves per token of a micro-batch for the whole decoder (see the module docstring)."""
+    H, kv, I = s.hidden, s.kv, s.intermediate
+    if compute_bytes == 4:
+        layer = 4 * (9 * H + 2 * kv + 4 * I)
+    else:  # autocast: the norms' inputs and outputs (4 H) in fp32; each projection's own cast of its input
+        layer = 4 * 4 * H + compute_bytes * (8 * H + 2 * kv + 4 * I)  # (5 + 1) H inputs, attention 2 H + 2 kv, MLP 4 I
+    if checkpointing:
+        return s.layers * 4 * H + layer  # each layer's fp32 input, one layer's full set while it is recomputed
+    return s.layers * layer
+
+
+def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | None, prompt_tokens: int,
+             device: torch.device, engine: str, device_total: int) -> dict[str, dict[str, int]]:
+    """Bytes by phase: ``{"held": ..., "rollout": ..., "update": ...}``, each ``{part: bytes}``.
+    The peak is ``held + max(rollout, update)`` (``peak``). ``prompt_tokens``: the longest prompt
+    of a step; ``engine``: ``hf`` or ``vllm`` as resolved for ``device``."""
+    R, O = cfg.rollout, cfg.optim
+    cuda = device.type == "cuda"
+    compute = 2 if cuda and cfg.runtime.dtype != "float32" else 4
+    rows_step = R.prompts_per_step * R.samples_per_prompt
+    tokens = prompt_tokens + R.max_new_tokens
+    held = {"student fp32 weights": 4 * student.params, "AdamW moments (fp32)": 8 * student.trainable}
+    src = cfg.teacher.source
+    if src == "model" and teacher is not None:
+        held[f"teacher weights ({'bf16' if compute == 2 else 'fp32'})"] = compute * teacher.params
+    elif src == "privileged_ema" or (src == "privileged_fixed" and not cfg.lora.enabled):
+        held["teacher: an fp32 copy of the student"] = 4 * student.params
+    rollout = {}
+    if engine == "vllm":
+        rollout[f"vLLM's share of the GPU (rollout.gpu_memory_utilization={R.gpu_memory_utilization:g})"] = int(
+            R.gpu_memory_utilization * device_total)
+    else:
+        decode_rows = R.batch_size or rows_step
+        kv_bytes = 2 if cuda else 4  # generate's cache on the CPU is fp32; the static decoder's is bf16
+        rollout[f"KV cache ({decode_rows} rows x {tokens:,} tokens)"] = (
+            decode_rows * tokens * student.layers * 2 * student.kv * kv_bytes)
+        if cuda and R.static_cache:
+            held["static decoder's bf16 copy of the student"] = 2 * student.params
+    mb_rows = min(O.micro_batch or rows_step, rows_step)
+    ckpt = cfg.runtime.grad_checkpointing
+    chunk = min(cfg.runtime.logprob_chunk, R.max_new_tokens)
+    update = {
+        GRADIENTS: 4 * student.trainable,
+        f"activations ({mb_rows} rows x {tokens:,} tokens{', gradient checkpointing' if ckpt else ''})":
+            mb_rows * tokens * activation_bytes_per_token(student, compute, ckpt),
+        f"logits chunk ({mb_rows} rows x {chunk} positions x {student.rows:,})": 3 * 4 * mb_rows * chunk * student.rows,
+    }
+    if loss_table.teacher_need(cfg.loss) == "full" and teacher is not None:
+        update["teacher's log-softmax chunk"] = 4 * mb_rows * chunk * teacher.rows
+    return {"held": held, "rollout": rollout, "update": update}
+
+
+def peak(parts: dict[str, dict[str, int]]) -> int:
+    """The estimated peak: what is held, plus the larger phase."""
+    return sum(parts["held"].values()) + max(sum(parts["rollout"].values()), sum(parts["update"].values()))
+
+
+def fixed(parts: dict[str, dict[str, int]]) -> int:
+    """The part of the peak no batch setting changes: what is held, plus the gradients (exact
+    counts, not estimates)."""
+    return sum(parts["held"].values()) + parts["update"][GRADIENTS]
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(total, available) bytes of ``device``: the GPU's, or the machine's RAM (/proc/meminfo)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, free
+    info = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, info.get("MemAvailable", total)

@@ -1,0 +1,82 @@
+"""The memory estimate (``opdkit.memory``) against measurements: parameter counts against the
+loaded models (and peft's own LoRA wrapping), weights / gradients / AdamW moments against the
+tensors a real optimizer step allocates, and activations against the bytes autograd actually
+saves in a forward pass (``saved_tensors_hooks``), on the embedded Llama student and the
+real-scale fixture's Qwen2 student (grouped key-value heads, q/k/v biases)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from opdkit.config import load_config
+from opdkit.embedded import asset
+from opdkit.memory import GRADIENTS, activation_bytes_per_token, estimate, model_shape
+from opdkit.models import load_model
+from opdkit.teacher import unwrap
+from qwen2_fixture import fixture_dir
+
+
+@pytest.fixture(scope="module")
+def students(tmp_path_factory) -> dict[str, Path]:
+    return {"embedded": asset("student"), "fixture": fixture_dir(tmp_path_factory) / "student"}
+
+
+def saved_activation_bytes(model, ids_B_S: torch.Tensor) -> int:
+    """Bytes of the distinct tensors autograd saves for backward in a forward of the decoder
+    (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        unwrap(model)[0](input_ids=ids_B_S, use_cache=False)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("which", ["embedded", "fixture"])
+def test_model_shape_counts_the_loaded_models_parameters(which, students):
+    model = load_model(students[which], torch.device("cpu"), trainable=True)
+    s = model_shape(students[which])
+    assert s.params == s.trainable == sum(p.numel() for p in model.parameters())
+    assert s.rows == model.get_output_embeddings().weight.shape[0]
+    lora = load_config(None, ["lora.enabled=true", "lora.r=4"]).lora
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(model, LoraConfig(r=4, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                                               task_type="CAUSAL_LM"))
+    s = model_shape(students[which], lora)
+    assert (s.params, s.trainable) == (sum(p.numel() for p in wrapped.parameters()),
+                                       sum(p.numel() for p in wrapped.parameters() if p.requires_grad))
+
+
+@pytest.mark.parametrize("which", ["embedded", "fixture"])
+def test_activation_estimate_is_within_10_percent_of_what_autograd_saves(which, students):
+    torch.manual_seed(0)
+    model = load_model(students[which], torch.device("cpu"), trainable=True).train()
+    B, S = 2, 96
+    ids_B_S = torch.randint(0, 30, (B, S))
+    measured = saved_activation_bytes(model, ids_B_S)
+    est = B * S * activation_bytes_per_token(model_shape(students[which]), 4, checkpointing=False)
+    assert 0.9 < est / measured < 1.1, (est, measured)
+
+
+def test_held_weights_gradients_and_adam_moments_are_the_bytes_a_real_step_allocates(students):
+    cfg = load_config(None, ["teacher.source=privileged_live"])
+    model = load_model(students["embedded"], torch.device("cpu"), trainable=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = model(input_ids=torch.randint(0, 30, (2, 16)), labels=torch.randint(0, 30, (2, 16)))
+    out.loss.backward()
+    opt.step()
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    moments = [v for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    parts = estimate(cfg, model_shape(students["embedded"]), None, 10, torch.device("cpu"), "hf", 2**34)
+    assert parts["held"] == {"student fp32 weights": nbytes(model.parameters()), "AdamW moments (fp32)": nbytes(moments)}
+    assert parts["update"][GRADIENTS] == nbytes(p.grad for p in model.parameters())
