@@ -22,7 +22,7 @@ owns the embeddings, the final norm and the head). The teacher is replicated (in
 sharded the same way (``runtime.teacher_sharding``). On CUDA the layers all-gather in bf16
 (``MixedPrecisionPolicy``; the fp32 masters and the optimizer stay fp32). Rollouts: an engine with
 its own copy of the weights (the static decoder, vLLM) gets them gathered one parameter at a time
-in ``sync_weights``; ``model.generate`` on the live model runs under ``full_params`` (see
+in ``sync_weights``; the HF engine's decode loop on the live model runs under ``full_params`` (see
 ``engines.sharded``). Either way generation runs no collectives and a rank that finishes early does
 not hold the others up.
 

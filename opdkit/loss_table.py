@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TEACHER_NEEDS = ("none", "token", "topk", "full")  # what the teacher scores, cheapest first
+TEACHER_NEEDS = ("none", "recorded", "token", "topk", "full")  # what the teacher scores, cheapest first
 _TOKEN = ("logp_B_T", "old_logp_B_T", "teacher_logp_B_T", "mask_B_T", "n_tokens")
 _FULL = ("logits_B_T_V", "teacher_logp_B_T_V", "mask_B_T", "n_tokens")
 _CLIP_METRICS = ("kl", "kl_forward", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
@@ -116,9 +116,20 @@ def update_policy(L, R) -> tuple[float, float]:
     return (1.0, 1.0) if L.name == "sft" else (R.temperature, R.top_p)
 
 
-def teacher_need(L) -> str:
-    """What the teacher scores for loss config ``L`` (the sft control on references: nothing)."""
-    return "none" if samples_from(L) == "reference" else spec(L.name).teacher
+def teacher_need(L, R) -> str:
+    """What the teacher scores for loss config ``L`` and rollout config ``R``: the loss's ``teacher``,
+    except for the sft control: on references nothing (``none``); on teacher samples drawn at
+    temperature 1 and top-p 1 (or greedily) nothing either (``recorded``): the engines record log π of
+    each sampled token under the policy that sampled it (module docstring), here the teacher's own
+    distribution, so its ``kl`` metric reads those instead of a second teacher pass. At other rollout
+    settings the recorded value is the tempered or truncated policy's, not the teacher's: the teacher
+    scores its samples (``token``)."""
+    source = samples_from(L)
+    if source == "reference":
+        return "none"
+    if source == "teacher" and (R.temperature <= 0 or (R.temperature == 1.0 and R.top_p >= 1.0)):
+        return "recorded"
+    return spec(L.name).teacher
 
 
 CONVENTION = (

@@ -119,7 +119,7 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | None, promp
             mb_rows * tokens * activation_bytes_per_token(student, compute, ckpt),
         f"logits chunk ({mb_rows} rows x {chunk} positions x {student.rows:,})": 3 * 4 * mb_rows * chunk * student.rows,
     }
-    if loss_table.teacher_need(cfg.loss) == "full" and teacher is not None:
+    if loss_table.teacher_need(cfg.loss, cfg.rollout) == "full" and teacher is not None:
         update["teacher's log-softmax chunk"] = 4 * mb_rows * chunk * teacher.rows
     return {"held": held, "rollout": rollout, "update": update}
 

@@ -212,11 +212,15 @@ def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, ro: Rollout, rows: sl
 @torch.no_grad()
 def teacher_context(cfg: Config, teacher, batch: Batch, rows: slice, teacher_ctx_manager=contextlib.nullcontext) -> dict | None:
     """What the loss needs from the teacher for micro-batch ``rows`` (``loss_table.teacher_need``;
-    None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full)."""
-    need = loss_table.teacher_need(cfg.loss)
+    None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full). For
+    ``recorded`` (sft on samples the teacher drew at temperature 1, top-p 1) the log-probs are the
+    ones the rollout recorded, with no teacher pass."""
+    need = loss_table.teacher_need(cfg.loss, cfg.rollout)
     if need == "none":
         return None
     ro = batch.rollout
+    if need == "recorded":
+        return {"logp_B_T": ro.sampling_logp_B_T[rows]}
     with teacher_ctx_manager():
         _, head = unwrap(teacher)
         h_B_T_H = completion_hidden(teacher, teacher_geometry(batch, rows), cfg.runtime.unpadded_rows)

@@ -39,7 +39,7 @@ from opdkit.teacher import restrict_vocab
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 # generation_config.json keys that change what generate() / vLLM's defaults sample, with their neutral values.
-# opdkit's engines apply none of them (engines.hf.sampling_config sets every one to its neutral value).
+# opdkit's engines apply none of them (engines.hf.decode reads no generation config).
 SAMPLING_CHANGERS: dict[str, tuple] = {
     "repetition_penalty": (None, 1, 1.0), "encoder_repetition_penalty": (None, 1, 1.0),
     "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0),
