@@ -115,6 +115,12 @@ def update_policy(L, R) -> tuple[float, float]:
     return (1.0, 1.0) if L.name == "sft" else (R.temperature, R.top_p)
 
 
+def reads_sampling_logp(L) -> bool:
+    """Whether loss config ``L``'s function reads the sampling-time log-probs (``old_logp_B_T``):
+    the engines need record them only then (and for the first batch's alignment check)."""
+    return "old_logp_B_T" in spec(L.name).inputs
+
+
 def teacher_need(L) -> str:
     """What the teacher scores for loss config ``L`` (the sft control on references: nothing)."""
     return "none" if samples_from(L) == "reference" else spec(L.name).teacher

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd
+from opdkit import distributed, guards, interrupt, loss_table, opd, overlap
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import (OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text,
@@ -101,8 +101,9 @@ def prompt_indices(seed: int, n_rows: int, start: int, count: int) -> list[int]:
 # --- trainer state ----------------------------------------------------------------------------
 
 
-def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log) -> None:
-    # every rank: gathering sharded weights is collective; rank 0 writes (one process's layout)
+def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log, pending: dict | None) -> None:
+    # every rank: gathering sharded weights is collective; rank 0 writes (one process's layout).
+    # pending: rollout.overlap's batch prefetched for the next step (opdkit.overlap), part of the state
     model = distributed.trainable_state(run.student)
     optimizer = distributed.optimizer_state(run.student, run.optimizer)
     ema = distributed.full_state_dict(run.ema) if run.ema is not None else None
@@ -113,7 +114,7 @@ def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, l
         "model": model, "optimizer": optimizer, "ema": ema,
         "rng": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
-        "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint,
+        "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint, "pending_rollout": pending,
     }  # fmt: skip
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -363,6 +364,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     run.extras["publish_dtype"] = export_dtype(cfg.publish.dtype, inputs.student_path)
     if state is not None:
         _restore(run, state)  # unsharded, on every rank
+    pending = state.get("pending_rollout") if state is not None else None
     del state
     if world.active:  # torchrun: shard the student (and teacher) over the ranks
         run = distributed.shard_run(run, world)
@@ -377,8 +379,19 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
                       if loss_table.samples_from(cfg.loss) == "teacher" else None)
-    engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    if R.overlap:  # one-step-off: the next step's batch is drawn while this one trains (opdkit.overlap)
+        engine = overlap.Lookahead(engine, run.autocast, run.device)
+        engine.restore(pending)
+    engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
+    mine = world.share(P)  # this rank's prompts of a step: mine.start .. mine.stop-1 (global sample seeds)
+    reads_logp = loss_table.reads_sampling_logp(cfg.loss)  # else recorded for the alignment check only
+
+    def step_batch(step_i: int, pos: int):
+        """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
+        examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), pos, P)][mine]
+        return examples, run.prompts(examples), opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=mine.start * G)
+
     pad_id = run.tokenizer.pad_token_id
     horizon = cfg.budget.schedule_steps or cfg.budget.max_steps
     elapsed, last_step_s = elapsed0 + time.monotonic() - t_start, 0.0
@@ -413,19 +426,22 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
 
             # 1. rollout: P prompts x G samples from the student (or the teacher / references for sft);
             # a rank of a sharded run takes prompts mine.start .. mine.stop-1 (global sample seeds)
-            mine = world.share(P)
-            examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P)][mine]
+            examples, prompts, seeds = step_batch(step, data_pos)
             data_pos += P
-            prompts = run.prompts(examples)
+            lag = 0  # updates between the weights that drew the batch and those it trains (rollout.overlap)
+            draw = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
             if loss_table.samples_from(cfg.loss) == "reference":
                 sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
                 rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
             else:
                 sampler = teacher_engine or engine
-                seeds = opd.step_seeds(cfg.seed, step, len(prompts) * G, offset=mine.start * G)
                 with run.autocast():
-                    rollout = sampler.sample(prompts, samples_per_prompt=G, seeds=seeds,
-                                             temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
+                    rollout = sampler.sample(prompts, seeds=seeds, logprobs=reads_logp or step == first_step, **draw)
+                if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
+                    lag = engine.lag
+                    if not _should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s):
+                        _, next_prompts, next_seeds = step_batch(step + 1, data_pos)
+                        engine.prefetch(next_prompts, seeds=next_seeds, logprobs=reads_logp, **draw)
             if cfg.teacher.source == "model":
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
             else:  # privileged: the teacher's prompt also holds the reference solution
@@ -434,7 +450,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             batch = opd.Batch(rollout, t_ids, t_mask)
             t1 = _clock(run.device)
             align = None
-            if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
+            if cfg.runtime.alignment_check and step == first_step and lag:
+                log("alignment check skipped: this start's first batch was drawn (rollout.overlap=1) by the weights one "
+                    "update before the restored ones; it ran on the run's first batch")
+            elif cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
                 with run.autocast():  # recomputed as the loss recomputes them; AlignmentError stops the run
                     align = opd.alignment_report(cfg, batch, run.student,
                                                  opd.check_precision(cfg, run.dtype, run.device))
@@ -473,6 +492,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             t3 = _clock(run.device)
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
+            waited = engine.pop_waited() if R.overlap else 0.0  # waiting for the prefetch (in sync_weights): rollout time
 
             n_tok = int(n_tok)  # whole step, all ranks (times and memory: rank 0's / the largest)
             row = {
@@ -480,10 +500,12 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 "grad_norm": grad_norm, "response_len": n_tok / n_seq,
                 "truncated_frac": n_trunc / n_seq, "tokens": n_tok,
                 "tokens_per_s": n_tok / max(1e-9, last_step_s),
-                "time_rollout_s": t1 - t0, "time_score_s": t2 - t1, "time_update_s": t3 - t2,
+                "time_rollout_s": t1 - t0 + waited, "time_score_s": t2 - t1, "time_update_s": t3 - t2 - waited,
                 "peak_mem_gb": world.max(_peak_memory_gb(run.device))[0],
             }
             row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
+            if R.overlap:
+                row["rollout_lag"] = lag
             if align:
                 row["alignment"] = align
             if bad:
@@ -496,7 +518,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
                 at.phase = "publish"
                 publisher.wait()  # the previous export must have succeeded before we move the state on
-                _save_state(out, run, step, elapsed, data_pos, log)  # state first: see the module docstring
+                _save_state(out, run, step, elapsed, data_pos, log,  # state first: see the module docstring
+                            engine.state() if R.overlap else None)
                 _publish(publisher, run, step, elapsed)
                 published_step = step
         # the intended end (also at step 0 when the wall budget is already spent): the final
@@ -506,7 +529,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         stopped = reason.startswith("SIG")
         if published_step != step and not (stopped and step == start_step):
             publisher.wait()
-            _save_state(out, run, step, elapsed, data_pos, log)
+            _save_state(out, run, step, elapsed, data_pos, log, engine.state() if R.overlap else None)
             if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
                 log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
                     "(a rerun publishes it)")
