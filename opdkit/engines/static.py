@@ -308,7 +308,8 @@ class StaticDecoder:
                 else:
                     if n not in graphs:  # ... then capture it (recorded, not run) and replay from here on
                         g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, pool=pool):
+                        # thread_local: another thread (the trainer, under rollout.overlap) may use CUDA meanwhile
+                        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                             step(n)
                         pool = g.pool()
                         graphs[n] = g
