@@ -4,10 +4,12 @@
 # real Qwen2.5 tokenizer, student 151,936 / teacher 152,064 rows), and TRL 1.16 on the same pair, prompts and
 # token cap. From the repository root, carried: .lane (bench/lane_assets.sh), .whl and .speed
 # (bench/speed_assets.sh); the vLLM tree in /tmp/site (or its parts in /tmp/vparts, as bench/gpu_lane.sh):
-#   bash bench/s1_speed.sh levers   # ~330 s: static decoder before/after, opdkit's vLLM engine levers + profile,
+#   bash bench/s1_speed.sh table    # ~585 s: S1 4 steps with the default (steps 2-4 median), S1 with
+#                                   #   rollout.overlap=1, TRL 1.16 with its own vLLM at 7,168 new tokens (2 steps;
+#                                   #   SPEED_TRL_TOKENS=512 for a shorter one), then (if the budget allows) S1 with the
+#                                   #   kit before issue 26 (.speed/main)
+#   bash bench/s1_speed.sh levers   # ~480 s: static decoder before/after, opdkit's vLLM engine levers + profile,
 #                                   #   bare vllm.LLM with its engine core in its own process / without async scheduling
-#   bash bench/s1_speed.sh table    # ~540 s: S1 4 steps with the default (steps 2-4 median), TRL 1.16 with its own
-#                                   #   vLLM at 7,168 new tokens (2 steps), S1 with rollout.overlap=1, S1 with main's kit
 #   bash bench/s1_speed.sh all      # both, most informative first, within SPEED_BUDGET_S
 # Every part runs under `timeout` (its own limit, never past the budget; what cannot finish is logged as
 # skipped), appends its result to $OUT/results.jsonl (bench/s1_speed.py) or $OUT/runs.jsonl (bench/real_lane.py)
@@ -17,7 +19,7 @@
 set -uo pipefail
 PHASE=${1:?usage: bash bench/s1_speed.sh levers|table|all}
 OUT=${OUT:-/tmp/out}
-case $PHASE in levers) D=330 ;; table) D=540 ;; *) D=540 ;; esac
+case $PHASE in levers) D=480 ;; table) D=585 ;; *) D=585 ;; esac
 BUDGET=${SPEED_BUDGET_S:-$D}
 START=$(date +%s)
 mkdir -p "$OUT"
@@ -60,13 +62,13 @@ table() {
   rm -rf "$R/runs"
   part s1_default 280 170 $L train $A --name s1_default --recipe s1 --steps 4
   rm -rf "$R/runs/s1_default"
+  part s1_overlap 260 160 $L train $A --name s1_overlap --recipe s1 --steps 4 -S rollout.overlap=1
+  rm -rf "$R/runs/s1_overlap"
   if [ -d .whl ] && [ ! -d /tmp/trlsite/trl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trlsite .whl/*.whl >> "$OUT/parts.log" 2>&1 \
       && log "TRL wheels installed in /tmp/trlsite" || log "TRL wheels: install failed"
   fi
   PYTHONPATH=$PYTHONPATH:/tmp/trlsite part trl 210 110 $S trl $A --max-new-tokens ${SPEED_TRL_TOKENS:-7168} --steps 2 --trl-vllm
-  part s1_overlap 260 160 $L train $A --name s1_overlap --recipe s1 --steps 4 -S rollout.overlap=1
-  rm -rf "$R/runs/s1_overlap"
   [ -d .speed/main/opdkit ] && part s1_main 280 170 $L train $A --name s1_main --recipe s1 --steps 4 --kit .speed/main
   rm -rf "$R/runs/s1_main" "$R/trl_out"
 }
