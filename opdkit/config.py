@@ -101,6 +101,9 @@ class RolloutConfig:
     batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
     max_prompt_tokens: int = 2048  # vllm only: its max_model_len is this + max_new_tokens
+    # 1: one-step-off rollouts (opdkit.overlap): step n+1's samples are drawn by the weights before step n's
+    # update while step n scores and updates; token losses correct with the recorded behaviour log-probs. 0: on-policy
+    overlap: int = 0
 
 
 @dataclass(frozen=True)

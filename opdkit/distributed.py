@@ -207,6 +207,9 @@ def check_params(cfg: Config, world: World) -> None:
     if cfg.runtime.collective_timeout_s <= 0:
         raise RunError(f"runtime.collective_timeout_s must be > 0 seconds, got {cfg.runtime.collective_timeout_s}")
     P = cfg.rollout.prompts_per_step
+    if cfg.rollout.overlap and n > 1:
+        raise RunError(f"rollout.overlap=1 runs in one process (a background rollout would interleave with the "
+                       f"collectives of {n} ranks): set rollout.overlap=0 under torchrun")
     if P % n:
         raise RunError(f"rollout.prompts_per_step={P} must be a multiple of the number of ranks ({n}): "
                        "every rank rolls out the same number of prompts")

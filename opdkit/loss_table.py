@@ -116,6 +116,14 @@ def update_policy(L, R) -> tuple[float, float]:
     return (1.0, 1.0) if L.name == "sft" else (R.temperature, R.top_p)
 
 
+def reads_sampling_logp(L, R) -> bool:
+    """Whether loss config ``L`` (rollout config ``R``) reads the sampling-time log-probs: the loss's
+    function (``old_logp_B_T``), or the sft control's ``kl`` from the recorded teacher log-probs
+    (``teacher_need`` = ``recorded``). The engines need record them only then (and for the first
+    batch's alignment check)."""
+    return "old_logp_B_T" in spec(L.name).inputs or teacher_need(L, R) == "recorded"
+
+
 def teacher_need(L, R) -> str:
     """What the teacher scores for loss config ``L`` and rollout config ``R``: the loss's ``teacher``,
     except for the sft control: on references nothing (``none``); on teacher samples drawn at

@@ -145,7 +145,7 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
             logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, cfg.runtime.logprob_chunk, temperature,
                                       top_p)
         inside_N = logp_B_T[m_B_T] != float("-inf")  # N masked-in tokens; NaN counts as inside (and fails below)
-        d_N = (logp_B_T[m_B_T] - ro.sampling_logp_B_T[m_B_T])[inside_N].abs()
+        d_N = (logp_B_T[m_B_T] - _recorded(ro)[m_B_T])[inside_N].abs()
         d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
         outside = float((~inside_N).float().mean()) if inside_N.numel() else 0.0
         out[f"{key}_max_abs_dlogp"], out[f"{key}_mean_abs_dlogp"] = d_max, d_mean
@@ -175,6 +175,14 @@ def _combine(parts: list[dict]) -> dict:
     return out
 
 
+def _recorded(ro: Rollout) -> torch.Tensor:
+    """The rollout's sampling-time log-probs; an engine asked for none (``logprobs=False``) has none."""
+    if ro.sampling_logp_B_T is None:
+        raise ValueError("this rollout was drawn without its sampling log-probs (sample(..., logprobs=False)), but "
+                         "the loss or check reads them: draw it with logprobs=True")
+    return ro.sampling_logp_B_T
+
+
 def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, ro: Rollout, rows: slice, n_tokens: float):
     """Loss and metrics of positions ``sl`` of micro-batch ``rows``: the loss's declared inputs
     (``opdkit.loss_table``) made for this chunk, then its function."""
@@ -190,7 +198,7 @@ def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, ro: Rollout, rows: sl
 
     make = {
         "logp_B_T": lambda: logits_B_C_V.log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0],
-        "old_logp_B_T": lambda: ro.sampling_logp_B_T[rows, sl],
+        "old_logp_B_T": lambda: _recorded(ro)[rows, sl],
         "teacher_logp_B_T": lambda: t_ctx["logp_B_T"][:, sl],
         "logits_B_T_V": lambda: logits_B_C_V,
         "teacher_logp_B_T_V": teacher_full_B_C_V,

@@ -45,6 +45,11 @@ def check_params(cfg: Config) -> None:
         raise RunError("rollout.prompts_per_step and rollout.samples_per_prompt must be positive")
     if cfg.publish.keep < 1:
         raise RunError("publish.keep must be at least 1")
+    if cfg.rollout.overlap not in (0, 1):
+        raise RunError(f"rollout.overlap must be 0 (on-policy) or 1 (one-step-off rollouts), got {cfg.rollout.overlap}")
+    if cfg.rollout.overlap and loss_table.samples_from(cfg.loss) != "student":
+        raise RunError("rollout.overlap=1 draws the student's next batch ahead; loss.name=sft does not sample the "
+                       "student: set rollout.overlap=0")
     if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
         raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
     if cfg.data.pad_side == "right" and cfg.runtime.unpadded_rows:

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd, trainer_state
+from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_json, atomic_write_text
@@ -329,6 +329,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     run.extras["publish_dtype"] = export_dtype(cfg.publish.dtype, inputs.student_path)
     if state is not None:
         trainer_state.restore(run, state)  # unsharded, on every rank
+    pending = state.get("pending_rollout") if state is not None else None
     del state
     if world.active:  # torchrun: shard the student (and teacher) over the ranks
         run = distributed.shard_run(run, world)
@@ -343,8 +344,19 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
                       if loss_table.samples_from(cfg.loss) == "teacher" else None)
-    engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    if R.overlap:  # one-step-off: the next step's batch is drawn while this one trains (opdkit.overlap)
+        engine = overlap.Lookahead(engine, run.autocast, run.device)
+        engine.restore(pending)
+    engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
+    mine = world.share(P)  # this rank's prompts of a step: mine.start .. mine.stop-1 (global sample seeds)
+    reads_logp = loss_table.reads_sampling_logp(cfg.loss, cfg.rollout)  # else recorded for the alignment check only
+
+    def step_batch(step_i: int, pos: int):
+        """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
+        examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order)][mine]
+        return examples, run.prompts(examples), opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=mine.start * G)
+
     pad_id = run.tokenizer.pad_token_id
     horizon = cfg.budget.schedule_steps or cfg.budget.max_steps
     elapsed, last_step_s = elapsed0 + time.monotonic() - t_start, 0.0
@@ -379,20 +391,22 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
 
             # 1. rollout: P prompts x G samples from the student (or the teacher / references for sft);
             # a rank of a sharded run takes prompts mine.start .. mine.stop-1 (global sample seeds)
-            mine = world.share(P)
-            examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P,
-                                                                    cfg.data.order)][mine]
+            examples, prompts, seeds = step_batch(step, data_pos)
             data_pos += P
-            prompts = run.prompts(examples)
+            lag = 0  # updates between the weights that drew the batch and those it trains (rollout.overlap)
+            draw = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
             if loss_table.samples_from(cfg.loss) == "reference":
                 sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
                 rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
             else:
                 sampler = teacher_engine or engine
-                seeds = opd.step_seeds(cfg.seed, step, len(prompts) * G, offset=mine.start * G)
                 with run.autocast():
-                    rollout = sampler.sample(prompts, samples_per_prompt=G, seeds=seeds,
-                                             temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
+                    rollout = sampler.sample(prompts, seeds=seeds, logprobs=reads_logp or step == first_step, **draw)
+                if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
+                    lag = engine.lag
+                    if not _should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s):
+                        _, next_prompts, next_seeds = step_batch(step + 1, data_pos)
+                        engine.prefetch(next_prompts, seeds=next_seeds, logprobs=reads_logp, **draw)
             if cfg.teacher.source == "model":
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
             else:  # privileged: the teacher's prompt also holds the reference solution
@@ -401,7 +415,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side)
             t1 = _clock(run.device)
             align = None
-            if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
+            if cfg.runtime.alignment_check and step == first_step and lag:
+                log("alignment check skipped: this start's first batch was drawn (rollout.overlap=1) by the weights one "
+                    "update before the restored ones; it ran on the run's first batch")
+            elif cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
                 with run.autocast():  # recomputed as the loss recomputes them; AlignmentError stops the run
                     align = opd.alignment_report(cfg, batch, run.student,
                                                  opd.check_precision(cfg, run.dtype, run.device))
@@ -441,6 +458,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             t3 = _clock(run.device)
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
+            waited = engine.pop_waited() if R.overlap else 0.0  # waiting for the prefetch (in sync_weights): rollout time
 
             n_tok = int(n_tok)  # whole step, all ranks (times and memory: rank 0's / the largest)
             row = {
@@ -448,10 +466,12 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 "grad_norm": grad_norm, "response_len": n_tok / n_seq,
                 "truncated_frac": n_trunc / n_seq, "tokens": n_tok,
                 "tokens_per_s": n_tok / max(1e-9, last_step_s),
-                "time_rollout_s": t1 - t0, "time_score_s": t2 - t1, "time_update_s": t3 - t2,
+                "time_rollout_s": t1 - t0 + waited, "time_score_s": t2 - t1, "time_update_s": t3 - t2 - waited,
                 "peak_mem_gb": world.max(_peak_memory_gb(run.device))[0],
             }
             row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
+            if R.overlap:
+                row["rollout_lag"] = lag
             if align:
                 row["alignment"] = align
             if bad:
@@ -464,7 +484,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
                 at.phase = "publish"
                 publisher.wait()  # the previous export must have succeeded before we move the state on
-                trainer_state.save(out, run, step, elapsed, data_pos, log)  # state first: see the module docstring
+                trainer_state.save(out, run, step, elapsed, data_pos, log,  # state first: see the module docstring
+                                   engine.state() if R.overlap else None)
                 _publish(publisher, run, step, elapsed)
                 published_step = step
         # the intended end (also at step 0 when the wall budget is already spent): the final
@@ -474,7 +495,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         stopped = reason.startswith("SIG")
         if published_step != step and not (stopped and step == start_step):
             publisher.wait()
-            trainer_state.save(out, run, step, elapsed, data_pos, log)
+            trainer_state.save(out, run, step, elapsed, data_pos, log, engine.state() if R.overlap else None)
             if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
                 log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
                     "(a rerun publishes it)")

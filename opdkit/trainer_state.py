@@ -158,9 +158,11 @@ def _checkpoint_error(e: BaseException) -> BaseException:
 # --- saving -----------------------------------------------------------------------------------
 
 
-def save(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log) -> Path:
+def save(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log, pending: dict | None = None) -> Path:
     """Write the run's state at ``step`` into ``directory(out, runtime.state_dir)`` (every rank calls
-    it: each writes its own shards; rank 0 writes ``meta.pt`` and publishes the directory). Returns its path."""
+    it: each writes its own shards; rank 0 writes ``meta.pt`` and publishes the directory). Returns its path.
+    ``pending``: ``rollout.overlap``'s batch prefetched for the next step (``opdkit.overlap``), kept in
+    ``meta.pt`` so that a resumed run trains on the batch it would have."""
     world = distributed.current()
     state_dir = directory(out, run.cfg.runtime.state_dir)
     tensors = _state_dicts(run)
@@ -170,7 +172,7 @@ def save(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log) -> 
         "lora": run.cfg.lora.enabled, "ema": run.ema is not None,
         "rng": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
-        "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint,
+        "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint, "pending_rollout": pending,
     }  # fmt: skip
     what, size = f"the trainer state at step {step}", _size_on_disk(tensors)
     p = run.cfg.publish

@@ -156,12 +156,15 @@ def exporting(out: Path, step: int) -> bool:
 
 
 def child_of(pid: int) -> int | None:
+    """The trainer run.sh started (a child of ``pid`` running ``opdkit train``, not its --check or a
+    short-lived helper of the script such as a pipeline's grep)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and b"opdkit" in argv and b"train" in argv and b"--check" not in argv:
             return int(stat.parent.name)
     return None
 

@@ -12,11 +12,17 @@ samples from a bf16 inference copy, refreshed by ``sync_weights`` (LoRA merged i
 
 Both sample ids below ``len(tokenizer)`` only (a model with padding embedding rows never emits
 one) and record log π of each sampled token: the policy it was drawn from, tempered and
-top-p-truncated over those ids (``engines.sampling``'s convention).
+top-p-truncated over those ids (``engines.sampling``'s convention; recorded whatever
+``sample``'s ``logprobs`` says: they cost nothing here).
+
+``own_copy=True`` (the one-step-off rollout, ``opdkit.overlap``): ``generate`` runs on a frozen
+copy of the policy that ``sync_weights`` refreshes, not on the live model, so the trainer may
+update the live weights while a rollout is drawn (the static decoder holds a copy anyway).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -103,26 +109,37 @@ def decode(model, ids_B_Sp, mask_B_Sp, sampler, *, max_new_tokens: int, eos_ids:
 class HFEngine:
     """Rollouts of the live policy (see the module docstring)."""
 
-    def __init__(self, model, tokenizer, *, static_cache: bool = True, batch_size: int = 0):
+    def __init__(self, model, tokenizer, *, static_cache: bool = True, batch_size: int = 0, own_copy: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.static_cache = static_cache
         self.batch_size = batch_size  # rows per decode call; 0 = all at once
         self.pad_id, self.eos_ids = pad_and_eos(plain(model), tokenizer)
         self.n_vocab = sampling_vocab(plain(model), tokenizer)
         device = next(model.parameters()).device
-        # the static decoder holds a copy (needs full weights only in sync_weights); decode reads the live model
+        # the static decoder holds a copy (needs full weights only in sync_weights); decode reads the live
+        # model, or a frozen copy of it (own_copy)
         self.uses_decoder = static_cache and device.type == "cuda"
-        self.reads_live_model = not self.uses_decoder
+        self.own_copy = own_copy and not self.uses_decoder
+        self.reads_live_model = not (self.uses_decoder or self.own_copy)
         self.decoder = StaticDecoder(model, n_vocab=self.n_vocab) if self.uses_decoder else None
+        if self.own_copy:
+            self.model = copy.deepcopy(model).eval().requires_grad_(False)
 
+    @torch.no_grad()
     def sync_weights(self, model) -> None:
-        """The next ``sample`` samples ``model``'s current weights (copied into the decoder, if any)."""
+        """The next ``sample`` samples ``model``'s current weights (copied into the decoder or the copy, if any)."""
+        if self.own_copy:
+            live = dict(model.named_parameters())
+            for name, p in self.model.named_parameters():
+                p.copy_(live[name])
+            return
         self.model = model
         if self.decoder is not None:
             self.decoder.sync(model)
 
     @torch.no_grad()
-    def sample(self, prompts, *, samples_per_prompt, seeds, temperature, top_p, max_new_tokens) -> Rollout:
+    def sample(self, prompts, *, samples_per_prompt, seeds, temperature, top_p, max_new_tokens,
+               logprobs: bool = True) -> Rollout:
         rows = [p for p in prompts for _ in range(samples_per_prompt)]  # prompt-major: B = P*G
         if len(seeds) != len(rows):
             raise ValueError(f"need one seed per sample: {len(rows)} samples, {len(seeds)} seeds")
