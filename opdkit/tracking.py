@@ -136,6 +136,8 @@ class Tracker:
         self.kind, self.error, self._say, self._backend = kind, None, log, None
         if kind == "none":
             return
+        if kind not in _BACKENDS:
+            raise ValueError(f"tracker {kind!r}: expected one of {', '.join(_BACKENDS)} or none (see resolve)")
         rows = read_history(Path(history)) if history is not None else []
         try:
             self._backend = _BACKENDS[kind](Path(out), rows, params or {})

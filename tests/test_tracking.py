@@ -156,3 +156,17 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_the_run_writes(tmp
     with pytest.raises(RunError, match=r"params key 'tracking': dvclive needs the dvclive package .*tracking: none"):
         train(load_config(None, ["tracking=dvclive", "budget.max_steps=1"]), out, log=lambda s: None, progress=False)
     assert not out.exists()
+
+
+def test_the_pipelines_train_stage_refuses_another_tracker_before_any_run(tmp_path):
+    """The track stage reads DVCLive logs: a pipeline with tracking: tensorboard stops at once, not after training."""
+    from opdkit.config import ConfigError
+    from opdkit.stages.train_runs import main, train_jobs
+
+    root = Path(__file__).resolve().parents[1]
+    assert train_jobs(str(root / "params.yaml"), "S", "T", "D", str(tmp_path / "train"), "logs")  # params.yaml: dvclive
+    with pytest.raises(ConfigError, match="the track stage .* reads each run's DVCLive log"):
+        train_jobs(str(root / "params.yaml"), "S", "T", "D", str(tmp_path / "train"), "logs", ["tracking=tensorboard"])
+    assert main(["--student", "S", "--teacher", "T", "--data", "D", "--out", str(tmp_path / "train"),
+                 "-p", str(root / "params.yaml"), "-S", "tracking=none"]) == 2
+    assert not (tmp_path / "train").exists()
