@@ -297,6 +297,9 @@ class Config:
     seed: int = 0
     recipe: str = ""  # a params overlay under recipes/ applied over this file; "" = none (opdkit.recipes)
     experiment_name: str = ""  # a label, recorded with the run (checkpoints' opdkit.json, run.json); run.sh: EXPERIMENT_NAME
+    # per-step experiment tracking beside metrics/train.jsonl (opdkit.tracking): auto (dvclive where it is
+    # installed, else none) | dvclive (OUT/dvclive: dvc plots / metrics) | tensorboard (OUT/tensorboard) | none
+    tracking: str = "auto"
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -315,8 +318,10 @@ class Config:
 
 
 PROMPT_FORMATS = ("raw", "boxed", "answer_line", "opsd_student", "opsd_eval")  # opdkit.data.PROMPT_TEMPLATES
+TRACKERS = ("auto", "dvclive", "tensorboard", "none")  # the params key `tracking` (opdkit.tracking)
 
 CHOICES: dict[str, tuple[str, ...]] = {
+    "tracking": TRACKERS,
     "teacher.source": ("model", "privileged_fixed", "privileged_ema", "privileged_live"),
     "data.prompt_format": PROMPT_FORMATS,
     "data.order": ("shuffled", "stored"),

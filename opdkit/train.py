@@ -5,6 +5,7 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
     config.yaml                       the resolved params of the latest start
     checkpoints/checkpoint-<step>/    complete HF exports, published atomically (newest publish.keep)
     metrics/train.jsonl               one JSON object per step
+    dvclive/ or tensorboard/          the same steps through the ``tracking`` logger (``opdkit.tracking``)
     state/trainer_state-<step>/       what resume needs (weights or adapter, optimizer, step, data
                                       position, RNG, elapsed wall time); streamed, atomic
                                       (``opdkit.trainer_state``; in runtime.state_dir instead when
@@ -58,7 +59,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, trainer_state
+from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, tracking, trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_json, atomic_write_text
@@ -73,7 +74,7 @@ METRICS_FILE = "metrics/train.jsonl"
 RUN_FILE = "run.json"
 # Params sections that may change between the starts of one run; any other change would splice
 # two different runs together. Paths may change too (files move), the data fingerprint may not.
-RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded")
+RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded", "tracking")
 PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
 LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
 
@@ -214,12 +215,13 @@ def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> 
 
 
 def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
-            experiment_name: str) -> TrainResult:
+            experiment_name: str, tracked: dict | None = None) -> TrainResult:
     status = "stopped" if reason.startswith("SIG") else "completed"
     result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
     if not world.is_main:
         return result
-    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name})
+    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name,
+                                       **({"tracking": tracked} if tracked else {})})
     log(f"training {'stopped by ' if status == 'stopped' else 'ended '}({reason}) at step {step} after {elapsed:.1f}s; "
         f"{surviving_checkpoints_message(out / 'checkpoints')}")
     return result
@@ -247,6 +249,7 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     try:
         parse_size(cfg.publish.max_shard_size, "publish.max_shard_size")
         export_dtype(cfg.publish.dtype, inputs.student_path)
+        tracking.resolve(cfg.tracking)
     except ValueError as e:
         raise RunError(str(e)) from None
     if cfg.runtime.max_nonfinite_skips < 0:
@@ -368,8 +371,11 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         _publish(publisher, run, step, elapsed)  # the state's weights were never published: do it now
         published_step = step
     first_step = step  # the alignment check runs on the first batch of every start
+    # DVCLive / TensorBoard beside train.jsonl (rank 0); its history is rebuilt from train.jsonl's kept rows
+    tracker = (tracking.Tracker(tracking.resolve(cfg.tracking), out, out / METRICS_FILE, to_dict(cfg), log)
+               if world.is_main else tracking.Tracker("none"))
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
-    with publisher, metrics_f, bar:
+    with publisher, metrics_f, bar, tracker:
         while True:
             publisher.check()  # a failed background export stops the run here, never silently
             # rank 0's clock for all: the same stop decision and wall-clock learning rate everywhere
@@ -476,8 +482,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 row["alignment"] = align
             if bad:
                 row["skipped_nonfinite"] = bad
-            metrics_f.write(json.dumps(_finite_row(row)) + "\n")
+            row = _finite_row(row)
+            metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()
+            tracker.log(row)  # DVCLive / TensorBoard (a failure there warns and stops tracking, not the run)
             _reset_peak_memory(run.device)  # the next row's peak: its step, and any publishing before it
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('kl') or 0:.4f}", s=f"{last_step_s:.2f}")
@@ -502,4 +510,4 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             else:
                 _publish(publisher, run, step, elapsed)
         publisher.close()  # raises PublishError if any export failed
-    return _finish(out, reason, step, elapsed, log, world, cfg.experiment_name)
+    return _finish(out, reason, step, elapsed, log, world, cfg.experiment_name, tracker.record)

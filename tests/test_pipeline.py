@@ -1,8 +1,9 @@
 """The DVC pipeline (dvc.yaml): its declarations, the data-subset stage, the train and eval stages' jobs,
 and a real `dvc repro` on tiny params in a temporary copy of the repository (slow): outputs, a second
 repro that does nothing, a loss param that invalidates only the training stage, strays removed, a run
-trained again from scratch giving the same metrics while the others are reused, and each stage
-importing only opdkit code it declares as a dependency."""
+trained again from scratch giving the same metrics while the others are reused, each stage
+importing only opdkit code it declares as a dependency, and the runs' training and learning curves in
+`dvc plots show`, their final metrics in `dvc metrics show` and `dvc exp show`."""
 
 from __future__ import annotations
 
@@ -247,6 +248,7 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     env = _env(tmp_path)
     _run(["git", "init", "-q"], repo, env)
     _dvc(repo, env, "init", "-q")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # the track stage's plot template
 
     log = _dvc(repo, env, "repro")
     stages = {name for name, _, _ in _stages(repo)}
@@ -298,6 +300,32 @@ def test_dvc_repro_on_tiny_params(tmp_path):
                         .read_text())
     assert [r["train_s"] for r in rep["runs"] if r["arm"] == "sft_reference" and r["seed"] == 1] == [final4["elapsed_s"]]
     assert rep["groups"]["rkl"]["train_s_ratio"] == 1.0 and "train_s" not in rep["runs"][0]  # before: no checkpoint
+
+    # dvc plots show: each run's training curves (its DVCLive log, gathered by the track stage), every point of
+    # train.jsonl, and its learning curve; dvc metrics show: each run's last step and final eval accuracy
+    matrix = {"rkl": 3, "sft_reference": 4}  # arm: steps, over seeds 0 and 1
+    jsonl = {f"{arm}/seed{s}": [json.loads(ln) for ln in (runs / "train" / arm / f"seed{s}" / "metrics" / "train.jsonl")
+                                .read_text().splitlines()] for arm in matrix for s in (0, 1)}
+    assert {r: [row["step"] for row in rows] for r, rows in jsonl.items()} == {
+        f"{arm}/seed{s}": list(range(1, n + 1)) for arm, n in matrix.items() for s in (0, 1)}
+    plots = json.loads(_dvc(repo, env, "plots", "show", "--json"))
+    drawn = {Path(f).stem: p[0]["content"]["data"]["values"] for f, p in plots["data"].items() if "runs/track/" in f}
+    assert set(drawn) == {"loss", "kl", "lr", "clipped_mass", "eval_accuracy"}, plots.get("errors")
+    for name in ("loss", "kl", "lr", "clipped_mass"):
+        got = sorted((d["run"], int(d["step"]), float(d[name])) for d in drawn[name])
+        assert got == sorted((r, row["step"], row[name]) for r, rows in jsonl.items() for row in rows
+                             if row.get(name) is not None), name
+    assert {d["run"] for d in drawn["clipped_mass"]} == {"rkl/seed0", "rkl/seed1"}  # the sft control has none
+    for r in jsonl:
+        points = json.loads((runs / "curves" / r / "curve.json").read_text())["points"]
+        assert sorted((int(d["step"]), float(d["accuracy"])) for d in drawn["eval_accuracy"] if d["run"] == r) == [
+            (p["step"], p["accuracy"]) for p in points]
+    tracked = json.loads(_dvc(repo, env, "metrics", "show", "--json"))[""]["data"]["runs/track/metrics.json"]["data"]
+    for r, rows in jsonl.items():
+        arm, seed = r.split("/")
+        final = json.loads((runs / "eval" / arm / f"{seed}.json").read_text())["accuracy"]
+        assert tracked[arm][seed] == {"step": rows[-1]["step"], **{k: rows[-1][k] for k in ("loss", "kl", "lr", "clipped_mass")
+                                                                  if rows[-1].get(k) is not None}, "eval_accuracy": final}
 
     # each stage imported only opdkit modules it declares (the hook logged every process of every stage)
     declared = {name: [d.def_path for d in deps if type(d).__name__ != "ParamsDependency"]
@@ -358,6 +386,13 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     assert [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())] == losses0
     assert json.loads((runs / "eval" / "rkl" / "seed0.json").read_text()) == before0
     assert "up to date" in _dvc(repo, env, "status")
+
+    # dvc exp show (once there is a commit): the runs' final train metrics beside the params
+    _run(["git", "add", "-A"], repo, env)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tiny"], repo, env)
+    (row,) = [r for r in json.loads(_dvc(repo, env, "exp", "show", "--json")) if r["rev"] == "workspace"]
+    assert row["data"]["metrics"]["runs/track/metrics.json"]["data"]["rkl"]["seed0"]["step"] == 3
+    assert row["data"]["params"]["params.yaml"]["data"]["tracking"] == "dvclive"
 
 
 def test_calibration_takes_the_median_step_and_matches_the_baseline_wall_clock():

@@ -81,12 +81,16 @@ def test_an_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, uni
     ref, _ = uninterrupted
     out = tmp_path / "out"
     # the first start ends at step 2 (same lr schedule horizon as the reference) ...
-    first, _ = quiet_train(cfg("budget.max_steps=2", "budget.schedule_steps=4", "publish.every_steps=2"), out)
+    first, _ = quiet_train(cfg("budget.max_steps=2", "budget.schedule_steps=4", "publish.every_steps=2",
+                               "tracking=dvclive"), out)
     assert first.step == 2
-    # ... after which a killed attempt left a step-3 line and a torn step-4 line behind
+    # ... after which a killed attempt left a step-3 line and a torn step-4 line behind (in DVCLive's log too)
     with (out / "metrics" / "train.jsonl").open("a") as f:
         f.write(json.dumps({"step": 3, "elapsed_s": 500.0}) + "\n" + '{"step": 4, "elaps')
-    result, logs = quiet_train(cfg("budget.max_steps=4", "budget.schedule_steps=4", "publish.every_steps=2"), out)
+    with (out / "dvclive" / "plots" / "metrics" / "loss.tsv").open("a") as f:
+        f.write("3\t999.0\n4\t9")
+    result, logs = quiet_train(cfg("budget.max_steps=4", "budget.schedule_steps=4", "publish.every_steps=2",
+                                   "tracking=dvclive"), out)
     assert result.step == 4
     assert "resuming from" in logs and "step 2, 500.0s of the wall budget already spent" in logs
     assert_same_weights(out / "checkpoints" / "checkpoint-4", ref / "checkpoints" / "checkpoint-4")
@@ -94,6 +98,10 @@ def test_an_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, uni
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # stale and torn lines dropped, new ones appended
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]  # the same samples, step by step
     assert rows[2]["elapsed_s"] > 500.0  # the wall budget counts the time the lost steps took
+    # DVCLive's history is train.jsonl's, step by step (the killed attempt's rows gone), and run.json says so
+    loss_tsv = (out / "dvclive" / "plots" / "metrics" / "loss.tsv").read_text().splitlines()
+    assert loss_tsv == ["step\tloss"] + [f"{r['step']}\t{r['loss']!r}" for r in rows]
+    assert json.loads((out / "run.json").read_text())["tracking"] == {"kind": "dvclive", "error": None}
 
 
 def test_rerunning_a_finished_run_returns_at_once_without_training(uninterrupted, monkeypatch):

@@ -19,6 +19,9 @@ reused (its outputs as they are), so an experiment that changes one arm retrains
   controls' runs;
 - the code: every opdkit source file the run's process imported.
 
+The runs log through DVCLive (params key ``tracking``), whose logs the ``track`` stage gathers; other
+trackers are refused here, before any run starts.
+
 Each run's log is ``LOGS/<arm>-seed<n>.log``; ``OUT/jobs.json`` is the stage's ledger. Anything else in
 ``OUT`` (a dropped seed's or arm's runs) is removed.
 
@@ -36,6 +39,7 @@ from opdkit.loss_table import samples_from
 from opdkit.recipes import load_config
 from opdkit.report import pipeline_arms
 from opdkit.stages.jobs import Job, default_workers, run_jobs
+from opdkit.tracking import TrackingError, resolve as resolve_tracker
 
 TRAIN_IGNORES = ("eval", "studies", "pipeline", "embedded")  # sections opdkit train does not read
 # What the sft controls do not read: dvc.yaml's per-run train_control stages did not list these
@@ -69,6 +73,10 @@ def train_jobs(params: str, student: str, teacher: str, data: str, out: str, log
             sets = [*overrides, f"seed={seed}", *arm.overrides, f"experiment_name={arm.name}",
                     f"student.path={student}", f"teacher.path={teacher}", f"data.train={data}"]
             cfg = load_config(params, None, sets)  # what `opdkit train` resolves: params < recipe < -S
+            if resolve_tracker(cfg.tracking) != "dvclive":  # refused before hours of training, not after them
+                raise ConfigError(f"params key 'tracking': the track stage (dvc.yaml) reads each run's DVCLive log, "
+                                  f"so the pipeline's runs need tracking: dvclive (or auto with dvclive installed); "
+                                  f"got {cfg.tracking!r}")
             view = without(to_dict(cfg), ignores)
             argv = ("train", "--out", run, "--quiet", "-p", params, *sum((["-S", s] for s in sets), []))
             cost = arm.steps * (REFERENCE_COST if samples_from(cfg.loss) == "reference" else 1.0)
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         jobs = train_jobs(args.params, args.student, args.teacher, args.data, args.out, args.logs, args.overrides)
         workers, threads = workers_for(args.params, args.overrides)
-    except ConfigError as e:
+    except (ConfigError, TrackingError) as e:
         print(f"opdkit.stages.train_runs: error: {e}", file=sys.stderr)
         return 2
     return run_jobs(jobs, Path(args.out) / "jobs.json", args.workers or workers, threads, roots=[args.out])
