@@ -101,7 +101,14 @@ def _jsd_terms(student_logp: Tensor, teacher_logp: Tensor, beta: float) -> Tenso
         return _fkl_terms(student_logp, teacher_logp)
     if beta == 1.0:
         return _rkl_terms(student_logp, teacher_logp)
-    log_m = torch.logaddexp(teacher_logp + math.log(beta), student_logp + math.log(1.0 - beta))
+    # an entry outside both supports (log p = -inf in both: outside the student's top-p nucleus at a position
+    # whose teacher row is the detached student, e.g. past the completion's end) has log m = -inf, and
+    # logaddexp(-inf, -inf)'s gradient is NaN even times 0: such entries go through logaddexp as 0 and are -inf after
+    out_of_both = (teacher_logp == float("-inf")) & (student_logp == float("-inf"))
+    zero = torch.zeros_like(student_logp)
+    log_m = torch.logaddexp(torch.where(out_of_both, zero, teacher_logp + math.log(beta)),
+                            torch.where(out_of_both, zero, student_logp + math.log(1.0 - beta)))
+    log_m = torch.where(out_of_both, torch.full_like(log_m, float("-inf")), log_m)
     return beta * _fkl_terms(log_m, teacher_logp) + (1.0 - beta) * _rkl_terms(student_logp, log_m)
 
 
