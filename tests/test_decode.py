@@ -121,4 +121,4 @@ def test_the_rotation_matrix_is_hf_rotary_embedding():
         want_q, want_k = apply_rotary_pos_emb(q_B_H_D[:, :, None], k_B_K_D[:, :, None], cos_B_1_D, sin_B_1_D)
         for got, want in ((torch.bmm(q_B_H_D, rot_B_D_D), want_q[:, :, 0]), (torch.bmm(k_B_K_D, rot_B_D_D), want_k[:, :, 0])):
             err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).max()
-            assert err < tol, (dtype, float(err))
+            assert err <= tol, (dtype, float(err))  # one bf16 ulp at |x| in [1, 2) is 2^-7: the H200 host's CPU hits it
