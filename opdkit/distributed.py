@@ -238,8 +238,9 @@ def shard_model(model, world: World):
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    in_root_forward = _count_root_forwards(model)
     for sub in (decoder, head):  # the submodules opd calls: each call gathers the root's parameters first
-        _gather_root_for(model, sub)
+        _gather_root_for(model, sub, in_root_forward)
     # FSDP's lazy initialisation makes the module whose forward runs first the root: run one token
     # through the real root now (no grad, no RNG drawn), before anything calls a submodule.
     with torch.no_grad(), torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
@@ -248,16 +249,38 @@ def shard_model(model, world: World):
     return model
 
 
-def _gather_root_for(root, sub) -> None:
+def _count_root_forwards(root) -> list[int]:
+    """A one-item list holding how many calls of the root's own ``forward`` are running (hooks on it)."""
+    depth = [0]
+
+    def enter(*_):
+        depth[0] += 1
+
+    def leave(*_):
+        depth[0] -= 1
+
+    root.register_forward_pre_hook(enter)
+    root.register_forward_hook(leave, always_call=True)
+    return depth
+
+
+def _gather_root_for(root, sub, in_root_forward: list[int]) -> None:
     """Route ``sub.forward`` through the root FSDP module's pre/post-forward (gather, and reshard
-    per the root's policy), as ``register_fsdp_forward_method`` does for a method of the root."""
+    per the root's policy), as ``register_fsdp_forward_method`` does for a method of the root, when
+    it is called on its own (``opdkit.opd``'s direct decoder and head calls). Inside the root's own
+    ``forward`` (the HF engine's decode loop calls the model) the root is gathered already and
+    ``sub`` runs as is: a nested pre/post-forward would leave the root's FSDP state idle, so the
+    root's post-forward would reshard it (FSDP otherwise keeps the root gathered after a forward)
+    and the next forward gather it again, one collective per decoded token even under
+    ``full_params``, and ranks that decode different numbers of tokens would then mismatch."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     name = f"_opdkit_forward_{id(sub)}"
     inner = sub.forward
     setattr(root, name, lambda *a, **k: inner(*a, **k))
     register_fsdp_forward_method(root, name)
-    sub.forward = getattr(root, name)
+    hooked = getattr(root, name)
+    sub.forward = lambda *a, **k: inner(*a, **k) if in_root_forward[0] else hooked(*a, **k)
 
 
 def _broadcast_module(model, world: World) -> None:

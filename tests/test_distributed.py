@@ -185,6 +185,27 @@ def test_full_params_gives_plain_full_tensors_for_generation_and_shards_again(wo
     assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
 
 
+def test_forwards_of_the_whole_model_under_full_params_leave_it_gathered(world1):
+    """The HF engine's decode loop calls the root's forward once per token, and ranks decode different
+    numbers of tokens: inside ``full_params`` no forward may reshard anything (the next would gather it
+    again, a collective that the other ranks do not run). The root's forward calls the decoder and head
+    that ``shard_model`` routes through the root for opd's direct calls. (A world of one process runs
+    FSDP's gathers as local copies, so the layout is what is checked, not the collectives.)"""
+    sharded = distributed.shard_model(_student(lora=False).eval(), world1)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), distributed.full_params(sharded):
+        for t in range(3):
+            sharded(input_ids=ids[:, :2 + t], use_cache=False, logits_to_keep=1)
+            resharded = [n for n, p in sharded.named_parameters() if type(p) is not torch.nn.Parameter]
+            assert resharded == [], f"forward {t}: {resharded[:3]}"
+    assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
+    decoder, _ = unwrap(sharded)
+    with torch.no_grad():  # outside the block a direct decoder call still gathers the root and its layers
+        h = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    plain = _student(lora=False).eval()
+    torch.testing.assert_close(h, plain.model(input_ids=ids, use_cache=False).last_hidden_state)
+
+
 def test_shard_run_carries_a_restored_optimizer_state_over_and_the_sharded_state_saves_and_restores(world1, tmp_path):
     from opdkit.setup import Run, build_run, prepare_inputs
 

@@ -97,7 +97,8 @@ def test_a_real_wall_clock_run_ends_at_min_lr(tmp_path):
     runs at lr, the last within a step's worth of min_lr. The bound: the last step began at the
     latest at max - reserve - 2 s (s: the longest step; the loop stops before a step that would
     end in the reserve), so its share of the schedule from the first step's start t0 to
-    max - reserve is at least 1 - 2 s / (max - reserve - t0)."""
+    max - reserve is at least 1 - 2 s / (max - reserve - t0). Nothing here depends on the steps
+    taking equal times (CI runs it beside other tests on 2 cores)."""
     import json
     import math
     import subprocess
@@ -129,4 +130,12 @@ def test_a_real_wall_clock_run_ends_at_min_lr(tmp_path):
     bound = min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * frac))
     assert min_lr <= rows[-1]["lr"] <= bound, (rows[-1]["lr"], bound, step_s, len(rows))
     assert rows[-1]["lr"] - min_lr < 0.25 * (lr - min_lr)  # the old horizon (max_wall_time_s) stopped near 0.5
-    assert all(a["lr"] >= b["lr"] for a, b in zip(rows, rows[1:]))
+    # Decreasing over any span of at least one (longest) step: the schedule's end is the loop's stop
+    # estimated with the last step's duration, so it moves by up to s between steps, and a step after
+    # a slow one (a loaded machine) may run at a higher lr than that slow one. Over a span x_j - x_i >= s
+    # it cannot rise: x_j / L >= x_i / (L - s) whenever x_j - x_i >= s * x_j / L, and x_j <= L
+    # (x: seconds since the first step's start, L: max - reserve - t0).
+    start = [r["elapsed_s"] - (r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"]) for r in rows]
+    pairs = [(a, b) for i, a in enumerate(rows) for j, b in enumerate(rows) if start[j] - start[i] >= step_s + 0.01]
+    assert pairs and all(a["lr"] >= b["lr"] for a, b in pairs), [(a["step"], b["step"]) for a, b in pairs
+                                                                  if a["lr"] < b["lr"]][:5]
