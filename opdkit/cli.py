@@ -147,7 +147,8 @@ def cmd_train(args) -> int:
         inputs = preflight(cfg, out)
         for w in inputs.warnings:
             print(f"warning: {w.check}: {w.detail}")
-        print(f"inputs ok: student {inputs.student_path}, teacher {inputs.teacher_path}, data {inputs.train_path} "
+        teacher = ", ".join(map(str, inputs.teacher_paths.values())) or cfg.teacher.source
+        print(f"inputs ok: student {inputs.student_path}, teacher {teacher}, data {inputs.train_path} "
               f"({len(inputs.examples)} rows); {out} is free")
         return 0
     from opdkit import distributed

@@ -35,12 +35,38 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TeacherConfig:
     path: str = ""  # HF directory; "" = the embedded teacher (ignored by privileged sources)
-    # model: a separate frozen model; privileged_fixed / privileged_ema / privileged_live: the
-    # student itself, given the reference solution in its prompt (fixed initial copy, EMA, live).
+    # model: a separate frozen HF model; vllm: the teacher in vLLM, scoring through prompt log-probs
+    # (opdkit.engines.vllm_teacher: a colocated engine, or the server at `url`); privileged_fixed /
+    # privileged_ema / privileged_live: the student itself, given the reference solution in its prompt
+    # (fixed initial copy, EMA, live).
     source: str = "model"
     ema_decay: float = 0.99  # privileged_ema: teacher <- decay*teacher + (1-decay)*student per step
+    # source=model: where the teacher's weights live and it runs; "" = the student's device. cpu | cuda |
+    # cuda:N (one process: a student on cuda:0 and the teacher on cuda:1); its scores move to the student's.
+    device: str = ""
+    # source=vllm: "" = a vLLM engine in its own process on the student's GPU (asleep between scorings);
+    # else the base URL of a vLLM OpenAI-compatible server serving the teacher (`vllm serve DIR`)
+    url: str = ""
+    gpu_memory_utilization: float = 0.3  # source=vllm, colocated: the engine's share of the GPU
+    timeout_s: float = 120.0  # source=vllm with a url: seconds to wait for one scoring request
     # What the teacher returns follows from loss.name (opdkit.loss_table): sampled-token log-probs
     # (k1, k2, k3, sft), top-k (topk_fkl, K = loss.topk) or the full vocabulary (fkl, rkl, jsd; chunked).
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """One of several teachers (params key ``teachers``): the rows whose ``data.teacher_column`` is
+    ``name`` are scored by the model at ``path`` (or, with teacher.source=vllm, the server at ``url``,
+    "" = a colocated engine), with every other teacher.* setting shared."""
+
+    name: str = ""
+    path: str = ""
+    url: str = ""
+
+    def __post_init__(self):
+        if not self.name or not self.path:
+            raise ConfigError(f"params key 'teachers': each entry needs a name and a path (an HF directory); got "
+                              f"name={self.name!r}, path={self.path!r}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +84,7 @@ class DataConfig:
     chat_template: bool = False
     filters: FilterConfig = field(default_factory=FilterConfig)
     max_rows: int = 0  # 0 = all rows (after filtering)
+    teacher_column: str = ""  # with `teachers`: the column naming each row's teacher (one of their names)
 
 
 @dataclass(frozen=True)
@@ -85,6 +112,12 @@ class LossConfig:
     clip: str = "none"  # none | entry (min(p_T log p_T/p_S, tau) per vocab entry) | token
     clip_tau: float = 0.05
     sft_source: str = "teacher"  # sft control: teacher samples | reference solutions
+    # OPD plus a verifiable reward (opdkit.rewards): lambda times each completion's 0/1 grade against its
+    # row's answer, centred by its prompt's G samples, in k1's per-token advantage or, for the other
+    # losses, a policy-gradient term beside them. 0 = off (no grading: the plain OPD update)
+    reward_weight: float = 0.0
+    reward_baseline: str = "mean"  # mean (GRPO: the group's mean) | loo (leave-one-out: the other G-1 samples' mean)
+    reward_norm: str = "none"  # none | std (divided by the group's standard deviation + 1e-6, as GRPO)
 
 
 @dataclass(frozen=True)
@@ -252,6 +285,9 @@ class Config:
     experiment_name: str = ""  # a label, recorded with the run (checkpoints' opdkit.json, run.json); run.sh: EXPERIMENT_NAME
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    # several teachers, each prompt routed to the one its row names (data.teacher_column); () = the one
+    # teacher of teacher.path
+    teachers: tuple[TeacherSpec, ...] = ()
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -268,12 +304,14 @@ class Config:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "teacher.source": ("model", "privileged_fixed", "privileged_ema", "privileged_live"),
+    "teacher.source": ("model", "vllm", "privileged_fixed", "privileged_ema", "privileged_live"),
     "data.prompt_format": ("boxed", "answer_line", "raw"),
     "rollout.engine": ("auto", "hf", "vllm"),
     "loss.name": LOSS_NAMES,
     "loss.clip": ("none", "entry", "token"),
     "loss.sft_source": SFT_SOURCES,
+    "loss.reward_baseline": ("mean", "loo"),
+    "loss.reward_norm": ("none", "std"),
     "optim.schedule": ("constant", "linear", "cosine", "wallclock_cosine"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),

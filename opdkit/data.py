@@ -53,6 +53,8 @@ class Example:
     answer: str
     solution: str = ""
     source: str = ""
+    teacher: str = ""  # the teacher this row names (data.teacher_column with several teachers; "" = the one teacher)
+    row: int = -1  # its row in the data file (for error messages)
 
     @property
     def problem_text(self) -> str:
@@ -130,8 +132,11 @@ def _answer_text(value, where: str) -> str | None:
     return str(value)
 
 
-def normalize_row(row: dict, index: int, path: str) -> Example:
+def normalize_row(row: dict, index: int, path: str, teacher_column: str = "") -> Example:
+    """The row as an ``Example``; ``teacher_column``: the column whose value names its teacher."""
     where = f"data file {path}, row {index}"
+    teacher = row.get(teacher_column) if teacher_column else ""
+    teacher = "" if teacher is None else str(teacher)
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     rid = next((str(v) for v in (row.get("id"), row.get("uuid"), row.get("unique_id"), extra.get("index"))
                 if v not in (None, "")), str(index))
@@ -143,7 +148,7 @@ def normalize_row(row: dict, index: int, path: str) -> Example:
         answer = _answer_text(row.get("answer"), where) or _last_boxed(solution)
         if not answer:
             raise DataError(f"{where}: no 'answer' and no \\boxed{{}} answer in 'solution'")
-        return Example(rid, row["problem"], answer, solution, source)
+        return Example(rid, row["problem"], answer, solution, source, teacher, index)
     if "prompt" not in row:
         raise DataError(f"{where} is in none of the known row shapes: expected a 'prompt' column (text, or chat "
                         "messages as in DAPO-Math-17k) or a 'problem' column (MATH-500 / OpenThoughts); "
@@ -162,7 +167,7 @@ def normalize_row(row: dict, index: int, path: str) -> Example:
         answer = _answer_text(rm.get("ground_truth"), where)
     if answer is None:
         raise DataError(f"{where}: no ground-truth answer (expected an 'answer' column or reward_model.ground_truth)")
-    return Example(rid, prompt, answer, str(row.get("solution") or ""), source)
+    return Example(rid, prompt, answer, str(row.get("solution") or ""), source, teacher, index)
 
 
 _INT = re.compile(r"^[+-]?\d+$")
@@ -192,13 +197,33 @@ def select(examples: list[Example], data: DataConfig) -> list[Example]:
     return out[: data.max_rows] if data.max_rows else out
 
 
-def load_examples(path: str | Path, data: DataConfig, *, require_solution: bool = False) -> list[Example]:
+def check_teachers(examples: list[Example], path, column: str, teachers: tuple[str, ...]) -> None:
+    """Every selected row names one of ``teachers`` in ``column`` (several teachers: ``teachers``,
+    ``data.teacher_column``); else a ``DataError`` naming the file, the first such row and the names."""
+    known = set(teachers)
+    bad = [ex for ex in examples if ex.teacher not in known]
+    if bad:
+        ex = bad[0]
+        named = f"names teacher {ex.teacher!r}" if ex.teacher else f"names no teacher (no value in column {column!r})"
+        raise DataError(f"data file {path}, row {ex.row} (id {ex.id}) {named}, which is not one of the teachers of "
+                        f"params key 'teachers': {', '.join(teachers)} ({len(bad)} of {len(examples)} selected rows are "
+                        f"like it); give each row one of those names in column {column!r} (data.teacher_column)")
+
+
+def load_examples(path: str | Path, data: DataConfig, *, require_solution: bool = False,
+                  teachers: tuple[str, ...] | None = None) -> list[Example]:
     """Read, normalise and select; an empty result, or (``require_solution``) a selected row with
-    no reference solution, is an error that says why."""
+    no reference solution, is an error that says why. ``data.teacher_column`` (several teachers) is
+    read where the file has it; with ``teachers`` (the training data) the file must have it and every
+    selected row must name one of them."""
     rows = read_table(path)
     if not rows:
         raise DataError(f"data file {path} has no rows")
-    examples = [normalize_row(r, i, str(path)) for i, r in enumerate(rows)]
+    column = data.teacher_column if teachers is not None else ""
+    if column and not any(column in r for r in rows):
+        raise DataError(f"data file {path} has no column {column!r} (data.teacher_column: the column naming each row's "
+                        f"teacher); its columns: {sorted(rows[0])}")
+    examples = [normalize_row(r, i, str(path), data.teacher_column) for i, r in enumerate(rows)]
     chosen = select(examples, data)
     if not chosen:
         raise DataError(f"data file {path}: all {len(examples)} rows were removed by data.filters / data.max_rows")
@@ -208,14 +233,17 @@ def load_examples(path: str | Path, data: DataConfig, *, require_solution: bool 
             raise DataError(f"data file {path}: this run needs reference solutions (a 'solution' column), but "
                             f"{len(missing)} of {len(chosen)} selected rows have none (first: id {missing[0]}); "
                             "drop them with -S data.filters.min_solution_chars=1")
+    if column:
+        check_teachers(chosen, path, column, teachers)
     return chosen
 
 
 def fingerprint(examples: list[Example]) -> str:
     """sha256 over the selected examples (what a run trained on, independent of file format)."""
     h = hashlib.sha256()
-    for ex in examples:
-        h.update(json.dumps([ex.id, ex.prompt, ex.answer, ex.solution, ex.source], sort_keys=True).encode())
+    for ex in examples:  # a row's teacher counts where it names one (one teacher: as before)
+        fields = [ex.id, ex.prompt, ex.answer, ex.solution, ex.source] + ([ex.teacher] if ex.teacher else [])
+        h.update(json.dumps(fields, sort_keys=True).encode())
     return h.hexdigest()
 
 

@@ -117,7 +117,7 @@ def sample_batch(cfg: Config, student, tok, examples, prompts, ac) -> opd.Batch:
     with ac():
         ro = engine.sample(prompts, samples_per_prompt=1, seeds=opd.step_seeds(cfg.seed, 0, len(prompts)),
                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=n)
-    if cfg.teacher.source == "model":
+    if not cfg.teacher.source.startswith("privileged"):
         return opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
     priv = [encode_prompt(ex, tok, cfg.data, privileged=True) for ex in examples]
     return opd.Batch(ro, *left_pad(priv, tok.pad_token_id, ro.completion_ids_B_T.device))

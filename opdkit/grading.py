@@ -4,6 +4,10 @@ A completion is graded by its LAST ``\\boxed{...}`` (or ``\\fbox{...}``): the ex
 compared to the gold answer first as normalized strings (cheap, catches most matches), then with
 math-verify (symbolic/numeric equivalence: ``1/2 == \\frac{1}{2} == 0.5``).
 
+A grading *failure* (an exception inside the comparison, e.g. sympy raising on an answer) is "not
+equal" for ``opdkit eval`` (``strict=False``); with ``strict=True`` (the training reward,
+``opdkit.rewards``) it raises ``GradingError`` instead, so a failure is never silently a zero.
+
 math-verify bounds its parse and compare steps with ``signal.alarm`` timeouts (5 s each), which
 only work in the main thread of a process. So ``grade_answer`` refuses to run in another thread,
 and ``grade_many`` parallelises with processes, never threads.
@@ -90,8 +94,13 @@ def normalize_answer(s: str) -> str:
     return s
 
 
-def _math_verify_equal(pred: str, gold: str) -> bool:
-    """math-verify equivalence of two bare answers; any failure inside math-verify -> False."""
+class GradingError(RuntimeError):
+    """The grader failed instead of giving a verdict (``strict=True``)."""
+
+
+def _math_verify_equal(pred: str, gold: str, strict: bool = False) -> bool:
+    """math-verify equivalence of two bare answers; any failure inside math-verify -> False
+    (``strict``: ``GradingError``)."""
     from math_verify import parse, verify  # imported lazily: pulls in sympy/antlr (~1 s)
     from math_verify.errors import TimeoutException
 
@@ -104,7 +113,9 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
         # Gold first: verify(gold, target) is asymmetric (assignments like "x=5" and equation
         # intervals are simplified on the gold side only).
         return bool(verify(parse(gold_wrapped), parse(pred_wrapped)))
-    except (Exception, TimeoutException):
+    except (Exception, TimeoutException) as e:
+        if strict:
+            raise GradingError(f"math-verify raised {type(e).__name__}: {e}") from e
         # Model outputs are arbitrary text and sympy can raise almost anything on them
         # (RecursionError, TypeError, OverflowError, a TimeoutException (a BaseException) from a
         # late alarm). A grading failure must never crash an eval: the answer is just "not
@@ -112,11 +123,12 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
         return False
 
 
-def grade_answer(pred: str | None, gold: str) -> bool:
+def grade_answer(pred: str | None, gold: str, strict: bool = False) -> bool:
     """True if the extracted answer ``pred`` is equivalent to ``gold``; None/empty -> False.
 
     Normalized string match first, then math-verify (``verify(parse(gold), parse(pred))``).
     Must run in a process's main thread (math-verify's timeouts use ``signal.alarm``).
+    ``strict``: a failure inside math-verify raises ``GradingError`` (else it is False).
     """
     if pred is None or not pred.strip():
         return False
@@ -127,7 +139,7 @@ def grade_answer(pred: str | None, gold: str) -> bool:
             "grade_answer must run in the main thread (math-verify times out with signal.alarm); "
             "use grade_many(..., processes=N) to parallelise instead of threads"
         )
-    return _math_verify_equal(pred, gold)
+    return _math_verify_equal(pred, gold, strict)
 
 
 _ANSWER_LINE_RE = re.compile(r"^\s*\**Answer\**\s*:\s*(.+?)\s*$", re.MULTILINE)

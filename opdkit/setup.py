@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from opdkit import loss_table, pairs
+from opdkit import loss_table, pairs, rewards, teachers
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt
 from opdkit.engines.weights import export_state_dict as _merged_state_dict
@@ -47,6 +47,13 @@ def check_params(cfg: Config) -> None:
         raise RunError("publish.keep must be at least 1")
     if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
         raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
+    for why in (rewards.check_params(cfg), teachers.check_params(cfg)):
+        if why:
+            raise RunError(why)
+    try:
+        teachers.pick_device(cfg.teacher.device, torch.device("cpu"))  # is that device on this machine?
+    except ValueError as e:
+        raise RunError(str(e)) from None
 
 
 def prepare_inputs(cfg: Config) -> Inputs:
@@ -95,6 +102,13 @@ class Run:
     def prompts(self, examples: list[Example], privileged: bool = False) -> list[list[int]]:
         return [encode_prompt(ex, self.tokenizer, self.cfg.data, privileged=privileged) for ex in examples]
 
+    def teacher_rows(self, examples: list[Example], samples_per_prompt: int) -> torch.Tensor | None:
+        """Several teachers: each row's teacher (its index in ``cfg.teachers``), prompt-major; else None."""
+        if not self.cfg.teachers:
+            return None
+        index = {t.name: i for i, t in enumerate(self.cfg.teachers)}
+        return torch.tensor([index[ex.teacher] for ex in examples for _ in range(samples_per_prompt)], device=self.device)
+
 
 def _wrap_lora(cfg: Config, model):
     from peft import LoraConfig, get_peft_model
@@ -120,9 +134,16 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     student.train()
 
     src, ema, ctx = cfg.teacher.source, None, contextlib.nullcontext
-    if src == "model":
-        teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
-        vocab_models["teacher model"] = (inputs.teacher_path, teacher)
+    if src == "model":  # one teacher, or several (a TeacherSet), on teacher.device ("": the student's)
+        t_device = teachers.pick_device(cfg.teacher.device, device)
+        members = [load_model(path, t_device, compute_dtype(cfg.runtime, t_device), what)
+                   for what, path in inputs.teacher_paths.items()]
+        vocab_models.update({what: (path, m) for (what, path), m in zip(inputs.teacher_paths.items(), members)})
+        teacher = teachers.TeacherSet(tuple(t.name for t in cfg.teachers), members) if cfg.teachers else members[0]
+    elif src == "vllm":  # scores in vLLM (its own process, or a server): nothing of it in this process
+        from opdkit.engines import vllm_teacher
+
+        teacher = vllm_teacher.make_teachers(cfg, inputs, device, log)
     elif src == "privileged_fixed" and cfg.lora.enabled:
         teacher, ctx = student, student.disable_adapter  # the frozen base is the initial student
     elif src in ("privileged_fixed", "privileged_ema"):
@@ -134,8 +155,11 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     use_shared_vocab(tok, vocab_models, log)  # checks the teacher's rows too, and says what was done
     opt = make_optimizer(cfg, student, device)
     n_train = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    where = (f" on {teachers.device_of(teacher)}" if isinstance(teacher, torch.nn.Module) and teacher is not student
+             else "")
     log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "
-        f"teacher {inputs.teacher_path or src}")
+        f"teacher {', '.join(map(str, inputs.teacher_paths.values())) or src}{where}"
+        + (f" (teacher.source=vllm{', ' + cfg.teacher.url if cfg.teacher.url else ', colocated'})" if src == "vllm" else ""))
     return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema)
 
 

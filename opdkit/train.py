@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd
+from opdkit import distributed, guards, interrupt, loss_table, opd, rewards, teachers
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import (OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text,
@@ -426,12 +426,17 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 with run.autocast():
                     rollout = sampler.sample(prompts, samples_per_prompt=G, seeds=seeds,
                                              temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
-            if cfg.teacher.source == "model":
+            if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
             else:  # privileged: the teacher's prompt also holds the reference solution
                 priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
-            batch = opd.Batch(rollout, t_ids, t_mask)
+            batch = opd.Batch(rollout, t_ids, t_mask, teacher_B=run.teacher_rows(examples, G))
+            reward = None
+            if cfg.loss.reward_weight:  # OPD plus a verifiable reward: grade every completion (opdkit.rewards)
+                batch.reward_adv_B, r_B = rewards.step_rewards(cfg, run.tokenizer, rollout, examples,
+                                                               f"data file {inputs.train_path}")
+                reward = world.sum(*rewards.step_metrics(r_B, G).values())
             t1 = _clock(run.device)
             align = None
             if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
@@ -451,6 +456,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                                               int(rollout.truncated_B.sum()))
             m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
             m = distributed.reduce_metrics(m, world)
+            if cfg.teachers:
+                m = teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers))
+            if reward is not None:
+                m = m | rewards.finish_metrics(*reward, m)
             trainable = [p for p in run.student.parameters() if p.requires_grad]
             grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
             # loss and norm are global (reduced over ranks): every rank takes the same decision
@@ -483,7 +492,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 "time_rollout_s": t1 - t0, "time_score_s": t2 - t1, "time_update_s": t3 - t2,
                 "peak_mem_gb": world.max(_peak_memory_gb(run.device))[0],
             }
-            row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
+            row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss", "reward_adv_abs",
+                                                                                  "teacher_adv_abs")})
             if align:
                 row["alignment"] = align
             if bad:
