@@ -193,6 +193,19 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_vocab_cut(args) -> int:
+    from opdkit.engines.vllm_teacher import vocab_cut
+
+    try:
+        made = vocab_cut(args.model, args.out)
+    except (FileExistsError, ValueError) as e:
+        print(f"opdkit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"wrote {made['dst']}: {made['src']} with its embedding and head cut from {made['rows']:,} rows to the "
+          f"tokenizer's {made['ids']:,} ids ({', '.join(made['cut'])}); serve it with vllm serve {made['dst']}")
+    return 0
+
+
 def cmd_validate(args) -> int:
     from opdkit.checkpoints import is_valid_checkpoint
 
@@ -286,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only validate the inputs and OUT (exit 0, 2 or 75); writes nothing")
     _add_params(p)
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("vocab-cut", help="copy an HF checkpoint with its embedding and head cut to the tokenizer's ids "
+                       "(a teacher for teacher.source=vllm, whose prompt log-probs count every row)")
+    p.add_argument("--model", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new directory")
+    p.set_defaults(fn=cmd_vocab_cut)
 
     p = sub.add_parser("validate", help="exit 0 if DIR is a complete loadable checkpoint (each DIR, if several)")
     p.add_argument("dir", nargs="+")

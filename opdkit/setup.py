@@ -20,6 +20,7 @@ import torch
 from opdkit import loss_table, pairs, rewards, teachers
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt
+from opdkit.engines import vllm_teacher
 from opdkit.engines.weights import export_state_dict as _merged_state_dict
 from opdkit.models import compute_dtype, load_model, pick_device, setup_torch
 from opdkit.pairs import Inputs, use_shared_vocab
@@ -47,7 +48,7 @@ def check_params(cfg: Config) -> None:
         raise RunError("publish.keep must be at least 1")
     if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
         raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
-    for why in (rewards.check_params(cfg), teachers.check_params(cfg)):
+    for why in (rewards.check_params(cfg), teachers.check_params(cfg), vllm_teacher.check_params(cfg)):
         if why:
             raise RunError(why)
     try:
@@ -141,8 +142,6 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
         vocab_models.update({what: (path, m) for (what, path), m in zip(inputs.teacher_paths.items(), members)})
         teacher = teachers.TeacherSet(tuple(t.name for t in cfg.teachers), members) if cfg.teachers else members[0]
     elif src == "vllm":  # scores in vLLM (its own process, or a server): nothing of it in this process
-        from opdkit.engines import vllm_teacher
-
         teacher = vllm_teacher.make_teachers(cfg, inputs, device, log)
     elif src == "privileged_fixed" and cfg.lora.enabled:
         teacher, ctx = student, student.disable_adapter  # the frozen base is the initial student

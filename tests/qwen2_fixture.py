@@ -14,11 +14,12 @@ from procs import env
 SEED = 0
 
 
-def fixture_dir(tmp_path_factory) -> Path:
-    """The fixture under the session's base temp directory (built by the first caller)."""
-    d = tmp_path_factory.getbasetemp() / "qwen2-fixture"
+def fixture_dir(tmp_path_factory, seed: int = SEED) -> Path:
+    """The fixture under the session's base temp directory (built by the first caller); another
+    ``seed``: the same tokenizer, shapes and data, other random weights."""
+    d = tmp_path_factory.getbasetemp() / ("qwen2-fixture" if seed == SEED else f"qwen2-fixture-seed{seed}")
     if not (d / "manifest.json").is_file():
-        proc = subprocess.run([sys.executable, "-m", "opdkit", "fixture", "qwen2", "--out", str(d), "--seed", str(SEED)],
+        proc = subprocess.run([sys.executable, "-m", "opdkit", "fixture", "qwen2", "--out", str(d), "--seed", str(seed)],
                               env=env(), text=True, capture_output=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"wrote the qwen2 fixture to {d}" in proc.stdout
