@@ -75,6 +75,8 @@ else  # the most informative first: what does not fit in the budget is skipped, 
   # the real vLLM engine at 0.6 / 0.95 on a model with padding rows; CUDA-graph decoding against eager
   step tests 150 60 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rA \
     tests/test_vllm_engine.py::test_vllm_samples_the_live_student tests/test_gpu.py tests/test_decode.py \
+    tests/test_vllm_teacher.py::test_the_colocated_vllm_teacher_agrees_with_the_hf_teacher \
+    tests/test_teachers.py::test_a_teacher_on_the_cpu_beside_a_student_on_the_gpu \
     --junitxml="$OUT/tests.xml"
   python3 - "$OUT/tests.xml" > "$OUT/tests.txt" 2>&1 <<'EOF'
 import sys, xml.etree.ElementTree as ET
