@@ -246,3 +246,19 @@ def test_the_colocated_vllm_teacher_agrees_with_the_hf_teacher(small_pair):
             dk = (got["topk_logp_B_T_K"].cpu()[m] - want["topk_logp_B_T_K"][m]).abs()
             print(f"top-8: first 4 ids agree {float(same):.3f}; |d log-prob| mean {float(dk.mean()):.3g}")
             assert same > 0.8 and float(dk.mean()) <= tol_mean
+
+
+@pytest.mark.parametrize("mode", ["ok", "shifted"])
+def test_the_doctor_compares_the_vllm_teacher_with_the_hf_teacher(fx, cut, hf, tmp_path, monkeypatch, capsys, mode):
+    _, _, _, served = hf
+    monkeypatch.chdir(tmp_path)
+    with FakeVLLMServer(served, str(cut), mode=mode) as server:
+        rc = _cli("doctor", "--student", str(fx / "student"), "--teacher", str(cut), "--data",
+                  str(fx / "data" / "train.parquet"),
+                  overrides=["teacher.source=vllm", f"teacher.url={server.url}", "loss.name=k1", "data.chat_template=true",
+                             "runtime.threads=1", "doctor.max_new_tokens=8"])
+    table = " ".join(capsys.readouterr().out.split())
+    if mode == "ok":
+        assert "OK alignment (vllm teacher)" in table and "|vLLM teacher - HF teacher log-prob| max" in table
+    else:
+        assert rc == 1 and "FAIL alignment (vllm teacher)" in table and "no log-prob for the sampled token" in table
