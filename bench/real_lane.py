@@ -1,7 +1,7 @@
 """The GPU lane's python parts: what a user runs, on Qwen2.5 / Qwen3-shaped random-init models with
 the real Qwen2.5 tokenizer (bench/gpu_lane.sh calls these; each writes its result the moment it has one).
 
-    python bench/real_lane.py prepare --root R --assets .lane [--tiny]
+    python bench/real_lane.py prepare --root R --assets .lane [--tiny] [--only s1]
     python bench/real_lane.py train --root R --name NAME --recipe s1|s2 --steps N [-S key=value ...] --out OUT
     python bench/real_lane.py vllm-load --ckpt DIR --out OUT
     python bench/real_lane.py report --out OUT
@@ -91,7 +91,8 @@ def prepare(args) -> dict:
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     _model("qwen2-1.5b", 151936, "student", root / "s1" / "student", assets, device, args.tiny, 0)
     _model("qwen2-1.5b", 152064, "teacher", root / "s1" / "teacher", assets, device, args.tiny, 1)
-    _model("qwen3-1.7b", 151936, "student", root / "s2" / "student", assets, device, args.tiny, 2)
+    if args.only != "s1":
+        _model("qwen3-1.7b", 151936, "student", root / "s2" / "student", assets, device, args.tiny, 2)
     for name, rows in (("s1", problems.train_rows()), ("s2", problems.eval_rows())):
         (root / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = {"what": "prepare", "root": str(root), "tiny": args.tiny, "seconds": round(time.perf_counter() - t0, 1)}
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default="/tmp/lane")
     ap.add_argument("--assets", default=str(ROOT / ".lane"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny shapes, the real vocabularies")
+    ap.add_argument("--only", choices=["s1", ""], default="", help="prepare: the S1 pair alone")
     ap.add_argument("--name", default="")
     ap.add_argument("--recipe", choices=["s1", "s2"], default="s1")
     ap.add_argument("--steps", type=int, default=3)

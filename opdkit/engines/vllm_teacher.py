@@ -71,6 +71,9 @@ def check_params(cfg) -> str | None:
             return f"teacher url {url!r}: expected the base URL of a vLLM server, http://HOST:PORT"
     if sum(not u for u in urls) > 1:
         return "several teachers with teacher.source=vllm: give each a url (a server each); one may be colocated"
+    if not all(urls) and not vllm_engine.available():
+        return ("teacher.source=vllm without a url runs a vLLM engine here, and vLLM is not installed: pip install -e "
+                "'.[vllm]', or give teacher.url (a server), or use teacher.source=model")
     if not all(urls) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return "teacher.source=vllm without a url colocates an engine in one process; under torchrun set teacher.url"
     return None
@@ -255,7 +258,8 @@ class EngineTeacher(_Scorer):
     """The teacher as a ``vllm.LLM`` in an engine process of its own (module docstring)."""
 
     def __init__(self, cfg, path: Path, n_vocab: int, device: torch.device):
-        vllm = vllm_engine._require_vllm(device)
+        vllm = vllm_engine._require_vllm(device, "teacher.source=vllm without teacher.url",
+                                         "teacher.url (a server) or teacher.source=model")
         if vllm_engine.ENGINES_BUILT:
             raise RuntimeError("the colocated vLLM teacher must be built before the student's vLLM engine")
         self.name, self.n_vocab = str(path), n_vocab
@@ -265,7 +269,7 @@ class EngineTeacher(_Scorer):
                   max_model_len=R.max_prompt_tokens + R.max_new_tokens + 1, max_num_seqs=max(1, rows),
                   gpu_memory_utilization=cfg.teacher.gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
                   enable_prefix_caching=False, max_logprobs=max(20, prompt_logprobs_k(cfg)), runner="generate",
-                  logprobs_mode="raw_logprobs")
+                  logprobs_mode="raw_logprobs", enforce_eager=True)  # prefills only: no compile, no graphs (a short start)
         saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # its own engine process (one sleep-mode engine per process)
         rng = vllm_engine._rng_state()
