@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from opdkit.config import DataConfig
@@ -54,7 +54,7 @@ class Example:
     solution: str = ""
     source: str = ""
     teacher: str = ""  # the teacher this row names (data.teacher_column with several teachers; "" = the one teacher)
-    row: int = -1  # its row in the data file (for error messages)
+    row: int = field(default=-1, compare=False)  # its row in the data file (for error messages; not part of the row)
 
     @property
     def problem_text(self) -> str:

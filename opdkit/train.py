@@ -76,6 +76,8 @@ RUN_FILE = "run.json"
 RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded")
 PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
 LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
+# where the teacher runs, not what it is: a resumed run may move it (another GPU, another server address)
+PLACEMENT_KEYS = ("teacher.device", "teacher.url", "teacher.timeout_s", "teacher.gpu_memory_utilization")
 
 
 @dataclass
@@ -147,7 +149,8 @@ def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> Non
     """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
     old, new = _flat(state["config"]), _flat(to_dict(cfg))
     fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
-             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS and old[k] != new[k]]
+             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS + PLACEMENT_KEYS
+             and old[k] != new[k]]
     if fixed:
         changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
         raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
