@@ -262,3 +262,29 @@ def test_the_doctor_compares_the_vllm_teacher_with_the_hf_teacher(fx, cut, hf, t
         assert "OK alignment (vllm teacher)" in table and "|vLLM teacher - HF teacher log-prob| max" in table
     else:
         assert rc == 1 and "FAIL alignment (vllm teacher)" in table and "no log-prob for the sampled token" in table
+
+
+def test_several_teachers_each_on_its_server(fx, cut, hf, tmp_path_factory):
+    """Two teachers, each served by its own (fake) vLLM server: each row's scores are its teacher's
+    HF scores, merged across micro-batches as the HF teachers' are."""
+    from opdkit import teachers
+
+    tok, student, teacher, served = hf
+    fx2 = fixture_dir(tmp_path_factory, seed=1)
+    cut2 = tmp_path_factory.mktemp("cut2") / "teacher-cut"
+    assert opdkit_main(["vocab-cut", "--model", str(fx2 / "teacher"), "--out", str(cut2)]) == 0
+    teacher2 = load_model(fx2 / "teacher", CPU, torch.float32, "teacher model")
+    use_shared_vocab(tok, {"t2": (fx2 / "teacher", teacher2)}, log=lambda _: None)
+    batch = _batch(fx, tok, student)
+    batch.teacher_B = torch.tensor([1, 0, 0, 1, 1, 0])
+    cfg = load_config(None, ["loss.name=topk_fkl", "loss.topk=4", "optim.micro_batch=4"])
+    with FakeVLLMServer(served, str(cut)) as s1, FakeVLLMServer(load_model(cut2, CPU, torch.float32), str(cut2)) as s2:
+        remote = teachers.TeacherSet(("a", "b"), [vt.ServerTeacher(s.url, d, N_IDS, 30.0, log=lambda *a: None)
+                                                  for s, d in ((s1, cut), (s2, cut2))])
+        got = opd.score_batch(cfg, remote, batch, contextlib.nullcontext)
+    assert len(s1.requests) == len(s2.requests) == 1  # one request per teacher for the step's rows
+    want = opd.score_batch(cfg, teachers.TeacherSet(("a", "b"), [teacher, teacher2]), batch, contextlib.nullcontext)
+    m = batch.rollout.completion_mask_B_T.bool()
+    for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
+        torch.testing.assert_close(g["logp_B_T"][m[rows]], w["logp_B_T"][m[rows]], rtol=0, atol=2e-5)
+        assert torch.equal(g["topk_ids_B_T_K"][m[rows]], w["topk_ids_B_T_K"][m[rows]])
