@@ -51,6 +51,9 @@ def check_params(cfg) -> str | None:
     if T.device and T.source != "model":
         return (f"teacher.device={T.device!r} places a teacher model (teacher.source=model); teacher.source={T.source} "
                 "has none in this process (set teacher.device='')")
+    if cfg.runtime.teacher_sharding == "fsdp" and (specs or T.source == "vllm"):
+        return ("runtime.teacher_sharding=fsdp shards one teacher model like the student; with several teachers or "
+                "teacher.source=vllm use runtime.teacher_sharding=replicate")
     if specs or column:
         if not (specs and column):
             return ("several teachers need both params key 'teachers' (name and path of each) and data.teacher_column "

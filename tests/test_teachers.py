@@ -182,7 +182,8 @@ def test_several_teachers_params_are_checked(tmp_path):
     for bad, needle in ((("data.teacher_column=",), "both"), (("teacher.path=z",), "both set"),
                         (("teachers=[{name: a, path: x}, {name: a, path: y}]",), "each name once"),
                         (("teacher.source=privileged_fixed",), "student itself"),
-                        (("loss.name=sft",), "samples from one teacher")):
+                        (("loss.name=sft",), "samples from one teacher"),
+                        (("runtime.teacher_sharding=fsdp",), "teacher_sharding=replicate")):
         with pytest.raises(RunError, match=needle):
             check_params(replace(base, *bad))
     with pytest.raises(Exception, match="needs a name and a path"):
