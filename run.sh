@@ -5,26 +5,45 @@
 #
 #   [STUDENT_MODEL=dir] [TEACHER_MODEL=dir] [TRAIN_DATA=file.parquet|.jsonl]
 #   [MAX_WALL_TIME_SECONDS=s] [DEADLINE_RESERVE_SECONDS=s] [OUTPUT_DIR=out/] [EXPERIMENT_NAME=name]
-#   [NPROC=1] [PARAMS=none|file.yaml] [PYTHON=python]  bash run.sh [key=value ...]
+#   [CKPT_DIR=dir] [RECIPE=file.yaml|none] [OPSD_*=...] [NPROC=1] [PARAMS=none|file.yaml] [PYTHON=python]
+#   bash run.sh [key=value ...]
 #
-# Without the environment it trains the shipped embedded default. Running it again on the same
-# OUTPUT_DIR resumes from the trainer state there.
+# The recipe: RECIPE if set (none: no recipe); else, given STUDENT_MODEL, S1's formal replay
+# (recipes/s1_cosine.yaml: the submitted wall-clock cosine candidate of seed 000); else none, and
+# the run trains the shipped embedded default. Params: opdkit's built-in defaults < the recipe <
+# the environment < the trailing key=value arguments. CKPT_DIR holds the trainer state (resume;
+# default OUTPUT_DIR/state) under a lock of its own. The OPSD log's switches (OPSD_PAD_SIDE,
+# OPSD_STUDENT_PROMPT, OPSD_TEACHER_CONTEXT, OPSD_CLIP_MODE, OPSD_DATA_SELECT, OPSD_WAVG_LAST; unset
+# = the released behaviour) map to params keys (opdkit/recipes.py OPSD_SWITCHES); an unknown OPSD_*
+# variable or value is bad input. Running it again on the same OUTPUT_DIR resumes.
+#
+# Locks: the trainer holds the GPU workload lock shared (opdkit/fsutil.py DeviceLock; `opdkit eval`
+# takes it exclusively) and exclusive locks on OUTPUT_DIR and CKPT_DIR; it releases them when it has
+# exited, before this script returns (so an evaluation started after it finds the GPU free).
 #
 # Exit status: 0 only when training reached its intended end (step horizon or wall clock) and
 # the final checkpoint validates (`opdkit validate`); 2 bad input (one line; OUTPUT_DIR left as it
 # was); 3 values went non-finite (nothing non-finite saved or published; the last good state and
-# checkpoints stay); 75 another run holds OUTPUT_DIR; 128+N stopped by signal N (SIGTERM/SIGINT:
-# after the step in flight, with its state and checkpoint); otherwise the trainer's own status
-# (1: a crash, a full or read-only disk, out of memory), after a line that lists the checkpoints
-# that survive and are valid.
+# checkpoints stay); 75 another run holds OUTPUT_DIR or CKPT_DIR, or an evaluation holds the GPU;
+# 128+N stopped by signal N (SIGTERM/SIGINT: after the step in flight, with its state and
+# checkpoint); otherwise the trainer's own status (1: a crash, a full or read-only disk, out of
+# memory), after a line that lists the checkpoints that survive and are valid.
 set -euo pipefail
 
 OUTPUT_DIR="${OUTPUT_DIR:-out}"
 NPROC="${NPROC:-1}"
 PYTHON="${PYTHON:-python}"
-# The replay runs opdkit's built-in defaults (a 180 s wall-clock budget), not the pipeline's
-# params.yaml (whose step horizon would end a wall-clock run early); PARAMS=file opts in.
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The replay runs opdkit's built-in defaults (a 180 s wall-clock budget) under its recipe, not the
+# pipeline's params.yaml (whose 120-step horizon would end a wall-clock run early); PARAMS=file opts in.
 PARAMS="${PARAMS:-none}"
+if [[ -n "${RECIPE:-}" ]]; then
+    recipe="$RECIPE"
+elif [[ -n "${STUDENT_MODEL:-}" ]]; then
+    recipe="$HERE/recipes/s1_cosine.yaml"  # S1's formal replay
+else
+    recipe=none  # the embedded default
+fi
 # OpenMP threads that spin while waiting make every step several times slower as soon as another
 # process wants the CPU; passive waiting costs little on an idle machine (see bench/cpu_busy.py).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
@@ -37,32 +56,46 @@ if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 
+yaml_str() { printf "'%s'" "${1//\'/\'\'}"; }  # a YAML single-quoted string, whatever it holds
+
 args=(train --out "$OUTPUT_DIR")
 if [[ -n "$PARAMS" ]]; then args+=(-p "$PARAMS"); fi
+if [[ "$recipe" == none ]]; then args+=(-r ""); else args+=(-r "$recipe"); fi
 # env -> params overrides (first), then the trailing key=value arguments (they win)
 if [[ -n "${STUDENT_MODEL:-}" ]]; then args+=(-S "student.path=$STUDENT_MODEL"); fi
 if [[ -n "${TEACHER_MODEL:-}" ]]; then args+=(-S "teacher.path=$TEACHER_MODEL"); fi
 if [[ -n "${TRAIN_DATA:-}" ]]; then args+=(-S "data.train=$TRAIN_DATA"); fi
 if [[ -n "${MAX_WALL_TIME_SECONDS:-}" ]]; then args+=(-S "budget.max_wall_time_s=$MAX_WALL_TIME_SECONDS"); fi
 if [[ -n "${DEADLINE_RESERVE_SECONDS:-}" ]]; then args+=(-S "budget.deadline_reserve_s=$DEADLINE_RESERVE_SECONDS"); fi
-if [[ -n "${EXPERIMENT_NAME:-}" ]]; then  # a YAML single-quoted string, whatever it holds
-    args+=(-S "experiment_name='${EXPERIMENT_NAME//\'/\'\'}'")
+if [[ -n "${EXPERIMENT_NAME:-}" ]]; then args+=(-S "experiment_name=$(yaml_str "$EXPERIMENT_NAME")"); fi
+if [[ -n "${CKPT_DIR:-}" ]]; then args+=(-S "runtime.state_dir=$(yaml_str "$CKPT_DIR")"); fi
+if compgen -e | grep -q '^OPSD_'; then  # the OPSD log's switches (an unknown one: exit 2, one line)
+    opsd_status=0
+    opsd=$("$PYTHON" -m opdkit.recipes opsd-env) || opsd_status=$?
+    if ((opsd_status != 0)); then exit "$opsd_status"; fi
+    while IFS= read -r kv; do
+        if [[ -n "$kv" ]]; then args+=(-S "$kv"); fi
+    done <<< "$opsd"
 fi
 for kv in "$@"; do args+=(-S "$kv"); done
 
 if ((NPROC > 1)); then
     # torchrun reports any worker failure as 1: check inputs and the lock first, so that bad input
     # is still 2 and a held OUTPUT_DIR still 75.
-    check_status=0
-    "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
+    check_status=0  # WORLD_SIZE: the checks for NPROC processes (prompts per rank, engines)
+    WORLD_SIZE="$NPROC" "$PYTHON" -m opdkit "${args[@]}" --check >/dev/null || check_status=$?
     if ((check_status != 0)); then exit "$check_status"; fi
     # --standalone: a rendezvous on a free local port, so two runs on one machine do not collide on 29500
     cmd=(torchrun --standalone --nproc-per-node "$NPROC" -m opdkit "${args[@]}")
+    # torchrun passes a stop signal to every rank, then kills them after this grace (its default, 30 s, is
+    # shorter than a step plus saving a large state); a rank stuck in a collective ends first, at
+    # runtime.collective_timeout_s (300 s)
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
 else
     cmd=("$PYTHON" -m opdkit "${args[@]}")
 fi
 
-say "experiment ${EXPERIMENT_NAME:-(unnamed)}, output ${OUTPUT_DIR}"
+say "experiment ${EXPERIMENT_NAME:-(unnamed)}, output ${OUTPUT_DIR}, recipe ${recipe}"
 say "running: $(printf '%q ' "${cmd[@]}")"
 
 # Run the trainer in the background so that a SIGTERM/SIGINT/SIGHUP sent to this script reaches

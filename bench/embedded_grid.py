@@ -29,7 +29,8 @@ from opdkit.stats import compare_arms, repeat_stats
 SMALL = {"embedded.student_hidden_size": 64, "embedded.student_layers": 2, "embedded.student_heads": 2,
          "embedded.student_intermediate_size": 256, "embedded.student_init": "scratch",
          "embedded.student_base_steps": 1200}
-VARIANTS = {  # name: embedded.* overrides
+VARIANTS = {  # name: embedded.* overrides ("shipped": the shipped build, copied by `opdkit embedded`)
+    "shipped": {},
     "same_planted": {},  # the shipped recipe: the teacher's shape from its run at step 500, carries dropped
     "small_planted": SMALL,
     "small_clean": SMALL | {"embedded.student_carry_steps": 0},
@@ -45,6 +46,9 @@ ARMS = {  # name: train overrides (the pipeline's OPD arm and its controls)
     "jsd": ["loss.name=jsd"],
     "sft_teacher": ["loss.name=sft", "loss.sft_source=teacher", "teacher.source=model"],
     "sft_reference": ["loss.name=sft", "loss.sft_source=reference", "teacher.source=model"],
+    # issue 26: one-step-off rollouts (rollout.overlap=1) against the on-policy arms above
+    "rkl_overlap": ["loss.name=rkl", "rollout.overlap=1"],
+    "k1_overlap": ["loss.name=k1", "rollout.overlap=1"],
 }
 OPD_ARMS = ("rkl", "k1", "jsd")
 
@@ -60,6 +64,9 @@ def run(cmd: list[str], log: Path) -> None:
 
 def build(out: Path, name: str, device: str, params: str, extra: list[str]) -> None:
     if (out / name / "embedded" / "student" / "model.safetensors").exists():
+        return
+    if name == "shipped":
+        run(["opdkit", "embedded", "--out", str(out / name / "embedded")], out / name / "build.log")
         return
     sets = [f"{k}={v}" for k, v in VARIANTS[name].items()] + extra
     code = ("import json, sys; from pathlib import Path; from opdkit.recipes import load_config; "
@@ -122,7 +129,15 @@ def table(out: Path, args) -> dict:
                 if c.exists():
                     for p in json.loads(c.read_text())["points"]:
                         curve.setdefault(p["step"], []).append(p["accuracy"])
+            kl = {}  # the true per-token KL estimate (train.jsonl's kl), mean of each run's last 10 steps
+            for seed in accs:
+                f = out / name / "train" / arm / f"seed{seed}" / "metrics" / "train.jsonl"
+                ks = [json.loads(ln).get("kl") for ln in f.read_text().splitlines()][-10:] if f.exists() else []
+                if ks and None not in ks:
+                    kl[seed] = sum(ks) / len(ks)
+            kst = repeat_stats(list(kl.values())) if kl else {"mean": None, "se": None}
             v["arms"][arm] = {"accuracy": {s: a["accuracy"] for s, a in accs.items()}, "mean": m, "se_seeds": se,
+                              "final_kl": kl, "final_kl_mean": kst["mean"], "final_kl_se": kst["se"],
                               "mean_clustered_se": sum(a["stderr"] for a in accs.values()) / len(accs),
                               "curve_mean": {s: sum(x) / len(x) for s, x in sorted(curve.items())}}
         opd = [a for a in OPD_ARMS if a in v["arms"]]
@@ -174,7 +189,8 @@ def main() -> int:
         print(f"{name}: student {v.get('student')} teacher {v.get('teacher')}")
         for arm, a in v["arms"].items():
             print(f"  {arm:14s} {a['mean']:.3f} +- {a['se_seeds']:.3f} (seeds {list(a['accuracy'].values())}; "
-                  f"run se {a['mean_clustered_se']:.3f}) curve {a['curve_mean']}")
+                  f"run se {a['mean_clustered_se']:.3f}) final kl {a['final_kl_mean']} +- {a['final_kl_se']} "
+                  f"curve {a['curve_mean']}")
         if "best_opd_vs_sft_teacher" in v:
             print(f"  best OPD vs sft_teacher: {v['best_opd_vs_sft_teacher']}")
     print(f"total {time.time() - t0:.0f}s")

@@ -49,7 +49,7 @@ L="python3 bench/real_lane.py"
 A="--root $R --out $OUT${LANE_TINY:+ --tiny}"  # LANE_TINY=1: the CPU dry run (tiny shapes, HF engine)
 log "runs in $R ($(df -h --output=avail "$(dirname $R)" | tail -1) free)"
 [ -f .lane/tokenizer.json.xz ] || log "no .lane/tokenizer.json.xz: carry .lane (bash bench/lane_assets.sh makes it)"
-step prepare 150 30 $L prepare --root $R --assets .lane${LANE_TINY:+ --tiny}$([ "$PHASE" = 3 ] && echo " --only s1")
+step prepare 150 30 $L prepare --root $R --assets .lane${LANE_TINY:+ --tiny}$([ "$PHASE" = 3 ] && echo " --pairs s1")
 rm -rf "$R/runs"  # runs of an earlier call on this machine
 VLLM="-S rollout.engine=vllm"
 HF="-S rollout.engine=hf"

@@ -1,7 +1,7 @@
 """The GPU lane's python parts: what a user runs, on Qwen2.5 / Qwen3-shaped random-init models with
 the real Qwen2.5 tokenizer (bench/gpu_lane.sh calls these; each writes its result the moment it has one).
 
-    python bench/real_lane.py prepare --root R --assets .lane [--tiny] [--only s1]
+    python bench/real_lane.py prepare --root R --assets .lane [--tiny] [--pairs s1 s2]
     python bench/real_lane.py train --root R --name NAME --recipe s1|s2 --steps N [-S key=value ...] --out OUT
     python bench/real_lane.py vllm-load --ckpt DIR --out OUT
     python bench/real_lane.py report --out OUT
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
 KEEP = ("step", "time_rollout_s", "time_score_s", "time_update_s", "peak_mem_gb", "tokens", "truncated_frac", "loss",
-        "kl", "grad_norm", "ratio_max")
+        "kl", "grad_norm", "ratio_max", "rollout_lag")
 
 
 def _append(out: Path, row: dict) -> None:
@@ -91,10 +91,11 @@ def prepare(args) -> dict:
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     _model("qwen2-1.5b", 151936, "student", root / "s1" / "student", assets, device, args.tiny, 0)
     _model("qwen2-1.5b", 152064, "teacher", root / "s1" / "teacher", assets, device, args.tiny, 1)
-    if args.only != "s1":
+    if "s2" in args.pairs:
         _model("qwen3-1.7b", 151936, "student", root / "s2" / "student", assets, device, args.tiny, 2)
     for name, rows in (("s1", problems.train_rows()), ("s2", problems.eval_rows())):
-        (root / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if name in args.pairs:
+            (root / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = {"what": "prepare", "root": str(root), "tiny": args.tiny, "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(res))
     return res
@@ -121,17 +122,18 @@ def train_cmd(args) -> list[str]:
 def train(args) -> dict:
     out_dir = Path(args.root) / "runs" / args.name
     log = Path(args.root) / f"{args.name}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    kit = Path(args.kit).resolve() if args.kit else ROOT  # --kit: another copy of the kit (e.g. main's) runs it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(kit), os.environ.get("PYTHONPATH", "")])}
     cmd = train_cmd(args)
     t0 = time.perf_counter()
     with log.open("a") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=kit).returncode
     rows = []
     metrics = out_dir / "metrics" / "train.jsonl"
     if metrics.is_file():
         rows = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
     res = {"what": "train", "name": args.name, "recipe": args.recipe, "steps": args.steps, "rc": rc,
-           "wall_s": round(time.perf_counter() - t0, 1), "overrides": args.set,
+           "wall_s": round(time.perf_counter() - t0, 1), "overrides": args.set, "kit": str(kit),
            "checkpoints": sorted(p.name for p in (out_dir / "checkpoints").glob("checkpoint-*")),
            "rows": [{k: r.get(k) for k in KEEP} for r in rows]}
     aligned = [r["alignment"] for r in rows if r.get("alignment")]
@@ -218,12 +220,13 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default="/tmp/lane")
     ap.add_argument("--assets", default=str(ROOT / ".lane"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny shapes, the real vocabularies")
-    ap.add_argument("--only", choices=["s1", ""], default="", help="prepare: the S1 pair alone")
     ap.add_argument("--name", default="")
     ap.add_argument("--recipe", choices=["s1", "s2"], default="s1")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("-S", "--set", action="append", default=[], help="params override for the run")
     ap.add_argument("--ckpt", default="")
+    ap.add_argument("--pairs", nargs="+", default=["s1", "s2"], help="prepare: which pairs to build")
+    ap.add_argument("--kit", default="", help="train: run this copy of the kit (its directory holds opdkit/)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args(argv)
     {"prepare": prepare, "train": train, "vllm-load": vllm_load, "report": report}[args.what](args)

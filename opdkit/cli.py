@@ -1,7 +1,8 @@
 """Command line: ``opdkit <command> [-p params.yaml] [-S key=value ...]``.
 
 Exit statuses: 0 success; 1 a failure during the work (the message says which checkpoints
-survive: a crash, a full or read-only disk, out of memory, a publish error); 2 bad input (one line
+survive: a crash, a full or read-only disk, out of memory, a publish error, a collective of a torchrun
+rank that timed out or lost its peer); 2 bad input (one line
 naming the file/key and what was expected, nothing written); 3 values went non-finite (nothing
 non-finite is saved or published); 75 the output directory is locked by another run; 128+N
 stopped by signal N (SIGINT, SIGTERM: after the step in flight, its state and checkpoint saved).
@@ -14,6 +15,7 @@ step several times slower.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -76,32 +78,52 @@ def cmd_fixture(args) -> int:
     return 0
 
 
+def _device_lock(cfg, shared: bool):
+    """The GPU workload lock for this command (``runtime.device_lock``: auto = on CUDA devices), else a
+    no-op context. Training holds it shared, evaluation exclusively; a conflict raises ``DeviceBusy``."""
+    from opdkit.fsutil import DeviceLock
+
+    rt = cfg.runtime
+    if rt.device_lock == "never" or (rt.device_lock == "auto" and rt.device == "cpu"):
+        return contextlib.nullcontext()
+    if rt.device_lock == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            return contextlib.nullcontext()
+    return DeviceLock(shared)
+
+
 def cmd_eval(args) -> int:
     from opdkit import paths
-    from opdkit.data import load_examples
-    from opdkit.evaluate import evaluate, write_eval
+    from opdkit.data import load_eval_examples
+    from opdkit.evaluate import evaluate, protocol_record, write_eval
     from opdkit.models import compute_dtype, load_model, load_tokenizer, pick_device, setup_torch
 
     cfg = _config(args)
     setup_torch(cfg.runtime)
-    data_path = Path(args.data) if args.data else paths.eval_data_path(cfg)
-    examples = load_examples(data_path, cfg.data)
-    device = pick_device(cfg.runtime)
-    model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
-    tok = load_tokenizer(args.model)
-    summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet)
-    summary.update(model=str(args.model), data=str(data_path), eval_params={
-        k: getattr(cfg.eval, k) for k in ("n_samples", "temperature", "top_p", "max_new_tokens", "seed")})
+    data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
+    examples = load_eval_examples(data_paths)
+    with _device_lock(cfg, shared=False):  # no training may hold the GPU while this evaluates
+        device = pick_device(cfg.runtime)
+        model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
+        tok = load_tokenizer(args.model)
+        summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet)
+    summary.update(model=str(args.model), data=str(data_paths[0]) if len(data_paths) == 1 else [str(d) for d in data_paths],
+                   **protocol_record(cfg.eval, summary["n_questions"]))
     for tag in args.tag:
         k, _, v = tag.partition("=")
         summary[k] = v
     per_q = write_eval(summary, records, args.out)
     print(f"accuracy {summary['accuracy']:.4f} +- {summary['stderr']:.4f} (clustered stderr) over "
           f"{summary['n_questions']} questions x {cfg.eval.n_samples}; wrote {args.out} and {per_q}")
+    if summary.get("protocol_complete") is False:
+        print(f"note: eval.protocol={cfg.eval.protocol} is defined on {summary['protocol_questions']} questions; this "
+              f"evaluation has {summary['n_questions']}, so it is not that measurement", file=sys.stderr)
     return 0
 
 
-def _probe_lock(out: Path) -> None:
+def _probe_lock(out: Path, what: str = "output directory") -> None:
     """Raise ``LockHeld`` at once if another run holds ``out``'s lock (before anything slow is
     loaded). Creates and changes nothing; ``train`` takes the lock for real after validating."""
     import fcntl
@@ -116,7 +138,7 @@ def _probe_lock(out: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "pid unknown"
-        raise LockHeld(out, holder) from None
+        raise LockHeld(out, holder, what) from None
     except OSError:
         return  # a file system without flock on read-only handles: train() decides
     finally:
@@ -135,24 +157,31 @@ def cmd_train(args) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone takes the lock
         _probe_lock(out)  # before anything slow is imported
     cfg = _config(args)
+    if cfg.runtime.state_dir and os.environ.get("RANK", "0") == "0":
+        _probe_lock(Path(cfg.runtime.state_dir), "trainer state directory")
     _quiet_datasets()
     from opdkit.checkpoints import NonFiniteTensor, surviving_checkpoints_message
     from opdkit.fsutil import StorageError
     from opdkit.guards import NonFiniteError, OutOfMemory
     from opdkit.interrupt import stop_on_signals
     from opdkit.publish import PublishError
-    from opdkit.train import STATE_FILE, preflight, train
+    from opdkit.train import preflight, train
+    from opdkit.trainer_state import find as find_state
 
     if args.check:
         inputs = preflight(cfg, out)
         for w in inputs.warnings:
             print(f"warning: {w.check}: {w.detail}")
+        with _device_lock(cfg, shared=True):  # free for training now (an evaluation holds it: exit 75)
+            pass
         teacher = ", ".join(map(str, inputs.teacher_paths.values())) or cfg.teacher.source
         print(f"inputs ok: student {inputs.student_path}, teacher {teacher}, data {inputs.train_path} "
               f"({len(inputs.examples)} rows); {out} is free")
         return 0
     from opdkit import distributed
 
+    device_lock = _device_lock(cfg, shared=True)  # held for the whole run; released when training has ended
+    device_lock.__enter__()  # before the models load: an evaluation on the GPU refuses this run at once (exit 75)
     world = distributed.init(cfg.runtime)  # a no-op without torchrun
 
     def survivors() -> str:
@@ -169,12 +198,12 @@ def cmd_train(args) -> int:
             return EXIT_NONFINITE
         raise
     except NonFiniteError as e:
-        state = out / STATE_FILE
-        kept = (f"the trainer state {state} is the last good one (a rerun resumes from it)" if state.is_file() else
+        state = find_state(out, cfg.runtime.state_dir)
+        kept = (f"the trainer state {state} is the last good one (a rerun resumes from it)" if state else
                 "no trainer state was saved before (a rerun starts from the beginning)")
         print(f"opdkit: training stopped: {e}; {kept}; {survivors()}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (OutOfMemory, StorageError) as e:
+    except (OutOfMemory, StorageError, distributed.CollectiveFailure) as e:
         print(f"opdkit: training failed: {e}; {survivors()}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as e:  # a crash: the traceback, then what survives (never exit 0)
@@ -183,6 +212,7 @@ def cmd_train(args) -> int:
         return EXIT_FAILURE
     finally:
         distributed.shutdown()
+        device_lock.__exit__(None, None, None)
     if result.status == "stopped":
         sig = signal.Signals[result.reason]
         if world.is_main:
@@ -283,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="sample and grade a model; writes the eval JSON + per-sample jsonl")
     p.add_argument("--model", required=True)
-    p.add_argument("--data", default=None, help="parquet/jsonl (default: data.eval)")
+    p.add_argument("--data", action="append", default=None, metavar="FILE",
+                   help="parquet/jsonl (default: data.eval); repeat for a benchmark in several files (AIME 2024 and "
+                        "2025): their questions are told apart and reported per file (the eval JSON's parts)")
     p.add_argument("--out", required=True)
     p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="extra fields for the JSON (e.g. arm=k1)")
     _add_params(p)

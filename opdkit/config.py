@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -71,19 +72,47 @@ class TeacherSpec:
 
 @dataclass(frozen=True)
 class FilterConfig:
-    integer_answers: bool = False
-    min_solution_chars: int = 0
-    exclude_sources: tuple[str, ...] = ()
+    """Training-row selection (``opdkit.data.select``), applied in this order; each 'keep' is of the
+    rows that passed the ones before, and the table's order is kept."""
+
+    answer_regex: str = ""  # keep rows whose answer (whitespace stripped) fully matches this; "" = all. OPSD: -?\d{1,6}
+    exclude_sources: tuple[str, ...] = ()  # drop rows whose source (source / data_source column) is one of these
+    reference: str = "solution"  # the text the length filters count: solution | cot (the COT_Reason trace)
+    min_reference_tokens: int = 0  # keep rows whose reference has >= this many tokens (the student's tokenizer)
+    top_reference_fraction: float = 1.0  # then keep this share of the rows, longest references first (0.5: upper half)
+
+    def __post_init__(self):
+        try:
+            re.compile(self.answer_regex)
+        except re.error as e:
+            raise ConfigError(f"params key 'data.filters.answer_regex': {self.answer_regex!r} is not a regular "
+                              f"expression ({e})") from None
+        if not 0.0 < self.top_reference_fraction <= 1.0:
+            raise ConfigError("params key 'data.filters.top_reference_fraction': expected a share in (0, 1], got "
+                              f"{self.top_reference_fraction}")
+        if self.min_reference_tokens < 0:
+            raise ConfigError(f"params key 'data.filters.min_reference_tokens': expected >= 0, got {self.min_reference_tokens}")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     train: str = ""  # parquet/jsonl; "" = the embedded train split
     eval: str = ""  # parquet/jsonl; "" = the embedded eval split
-    prompt_format: str = "raw"  # raw (the prompt as given) | boxed | answer_line (an instruction added)
+    # raw (the prompt as given) | boxed | answer_line | opsd_student | opsd_eval (opdkit.data.PROMPT_TEMPLATES)
+    prompt_format: str = "raw"
     chat_template: bool = False
     filters: FilterConfig = field(default_factory=FilterConfig)
     max_rows: int = 0  # 0 = all rows (after filtering)
+    order: str = "shuffled"  # shuffled (a fresh seeded shuffle per epoch) | stored (the table's order, as S1's shuffle=False)
+    # Privileged teachers (teacher.source=privileged_*): what the teacher's prompt holds beside the problem,
+    # solution | cot (the COT_Reason trace) | both, and how it is written: hint (the student's prompt plus
+    # opdkit's reference-solution hint) | opsd (the released OPSD collator's teacher message)
+    teacher_context: str = "solution"
+    teacher_prompt: str = "hint"
+    # How scored sequences are padded: left ([pads][prompt][completion], positions from the mask: where the
+    # student sampled) | right ([prompt][pads][completion], the pads consuming RoPE positions: the released
+    # OPSD collator's layout, for replaying its offset; the alignment check then fails unless switched off)
+    pad_side: str = "left"
     teacher_column: str = ""  # with `teachers`: the column naming each row's teacher (one of their names)
 
 
@@ -99,6 +128,9 @@ class RolloutConfig:
     batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
     max_prompt_tokens: int = 2048  # vllm only: its max_model_len is this + max_new_tokens
+    # 1: one-step-off rollouts (opdkit.overlap): step n+1's samples are drawn by the weights before step n's
+    # update while step n scores and updates; token losses correct with the recorded behaviour log-probs. 0: on-policy
+    overlap: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +143,9 @@ class LossConfig:
     jsd_beta: float = 0.5  # 0 = forward KL, 1 = reverse KL
     clip: str = "none"  # none | entry (min(p_T log p_T/p_S, tau) per vocab entry) | token
     clip_tau: float = 0.05
+    # fkl / rkl / jsd: the teacher's distribution is softmax(logits / teacher_temperature) (TRL's GKD and the
+    # released OPSD temper the teacher by their sampling temperature too; the student is the policy it samples)
+    teacher_temperature: float = 1.0
     sft_source: str = "teacher"  # sft control: teacher samples | reference solutions
     # OPD plus a verifiable reward (opdkit.rewards): lambda times each completion's 0/1 grade against its
     # row's answer, centred by its prompt's G samples, in k1's per-token advantage or, for the other
@@ -161,6 +196,8 @@ class PublishConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
+    # custom: the keys below as given | a seeded run's protocol (PROTOCOLS below): it sets the keys it fixes
+    protocol: str = "custom"
     n_samples: int = 4
     temperature: float = 0.7
     top_p: float = 0.9
@@ -168,6 +205,7 @@ class EvalConfig:
     batch_size: int = 512  # sequences per generate call
     seed: int = 1234
     max_questions: int = 0  # 0 = every question of the eval split
+    prompt_format: str = ""  # "" = data.prompt_format; else one of its choices (the benchmark's prompt)
 
 
 @dataclass(frozen=True)
@@ -191,13 +229,22 @@ class RuntimeConfig:
     alignment_tol_fp32: tuple[float, float] = (1.0e-3, 1.0e-4)
     alignment_tol_bf16: tuple[float, float] = (2.0, 0.05)
     teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
+    state_dir: str = ""  # where the trainer state (resume) lives; "" = OUT/state (run.sh: CKPT_DIR)
+    # The GPU workload lock (opdkit.fsutil.DeviceLock; its file: $OPDKIT_GPU_LOCK, else one per machine):
+    # training holds it shared, `opdkit eval` exclusively; a conflicting command exits 75.
+    # auto: on CUDA devices | always (CPU runs too) | never
+    device_lock: str = "auto"
+    # torchrun: a collective that waits longer than this for another rank ends the run (exit 1, run.json
+    # names the phase); it must exceed the longest legitimate wait (a rank's rollout outlasting another's)
+    collective_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
 class StudiesConfig:
     n_prompts: int = 64
     samples_per_prompt: int = 2
-    padding_k: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+    # pads between prompt and completion; the OPSD log measured k = 200 on Qwen3-1.7B and a mean offset of 292
+    padding_k: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 200, 292)
     clip_tau: tuple[float, ...] = (0.0, 0.001, 0.01, 0.05, 0.1, 0.5, 1.0, float("inf"))
     kl_bins: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 1.0, float("inf"))
 
@@ -283,6 +330,9 @@ class Config:
     seed: int = 0
     recipe: str = ""  # a params overlay under recipes/ applied over this file; "" = none (opdkit.recipes)
     experiment_name: str = ""  # a label, recorded with the run (checkpoints' opdkit.json, run.json); run.sh: EXPERIMENT_NAME
+    # per-step experiment tracking beside metrics/train.jsonl (opdkit.tracking): auto (dvclive where it is
+    # installed, else none) | dvclive (OUT/dvclive: dvc plots / metrics) | tensorboard (OUT/tensorboard) | none
+    tracking: str = "auto"
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     # several teachers, each prompt routed to the one its row names (data.teacher_column); () = the one
@@ -303,9 +353,21 @@ class Config:
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
 
 
+PROMPT_FORMATS = ("raw", "boxed", "answer_line", "opsd_student", "opsd_eval")  # opdkit.data.PROMPT_TEMPLATES
+TRACKERS = ("auto", "dvclive", "tensorboard", "none")  # the params key `tracking` (opdkit.tracking)
+
 CHOICES: dict[str, tuple[str, ...]] = {
+    "tracking": TRACKERS,
     "teacher.source": ("model", "vllm", "privileged_fixed", "privileged_ema", "privileged_live"),
-    "data.prompt_format": ("boxed", "answer_line", "raw"),
+    "data.prompt_format": PROMPT_FORMATS,
+    "data.order": ("shuffled", "stored"),
+    "data.teacher_context": ("solution", "cot", "both"),
+    "data.teacher_prompt": ("hint", "opsd"),
+    "data.pad_side": ("left", "right"),
+    "data.filters.reference": ("solution", "cot"),
+    "eval.protocol": ("custom", "math500_proxy", "aime_final", "aime24_avg12"),
+    "eval.prompt_format": ("",) + PROMPT_FORMATS,
+    "runtime.device_lock": ("auto", "always", "never"),
     "rollout.engine": ("auto", "hf", "vllm"),
     "loss.name": LOSS_NAMES,
     "loss.clip": ("none", "entry", "token"),
@@ -320,6 +382,49 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "publish.dtype": ("auto", "float32", "bfloat16", "float16"),
     "embedded.student_init": ("teacher_run", "scratch"),
 }
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """A seeded run's evaluation protocol: the ``eval.*`` values it fixes (the others keep theirs), how
+    many questions its benchmark has, and where the numbers come from."""
+
+    settings: dict
+    n_questions: int
+    source: str
+
+
+# eval.protocol: a preset sets the keys it fixes in the resolved config (whatever the params file or the
+# recipe said; a -S that sets one of them to another value is an error: that is eval.protocol=custom).
+PROTOCOLS: dict[str, Protocol] = {
+    "math500_proxy": Protocol(
+        {"n_samples": 4, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12288, "seed": 42, "prompt_format": "boxed"},
+        500, "S1's exploration metric math500_pass_at_1 (seed 000): all 500 MATH-500 questions x 4 samples, "
+             "temperature 0.7, top-p 0.9, 12,288 new tokens, generation seed 42, a fixed boxed-answer prompt"),
+    "aime_final": Protocol(
+        {"n_samples": 32, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 31744, "seed": 42, "prompt_format": "boxed"},
+        60, "S1's final metric aime24_25_at32 (seeds 000, 002): 30 AIME 2024 + 30 AIME 2025 questions x 32 samples, "
+            "31,744 new tokens; the same prompt family as the proxy, and (the seed names only the benchmark, the "
+            "sample count and the cap as changes) the proxy's temperature, top-p and seed"),
+    "aime24_avg12": Protocol(
+        {"n_samples": 12, "seed": 20260610, "prompt_format": "opsd_eval"},
+        30, "the OPSD runs' AIME24 avg@12 (seeds 003, 004): 30 AIME 2024 questions x 12 samples, sampling seed "
+            "20260610; the seeds give no temperature, top-p or token cap (eval.* apply; the OPSD recipes set the "
+            "released evaluator's), and the prompt is the released evaluator's (opsd_eval)"),
+}
+
+
+def _apply_protocol(tree: dict, overridden: dict[str, Any]) -> None:
+    """Write the eval protocol's fixed values into ``tree`` (``overridden``: the ``-S`` keys and values)."""
+    name = (tree.get("eval") or {}).get("protocol", EvalConfig.protocol)
+    if not isinstance(name, str) or name not in PROTOCOLS:
+        return  # custom, or a bad value the schema check names
+    for key, value in PROTOCOLS[name].settings.items():
+        dotted = f"eval.{key}"
+        if dotted in overridden and overridden[dotted] != value:
+            raise ConfigError(f"params key '{dotted}': eval.protocol={name} fixes it at {value!r}, but -S sets "
+                              f"{overridden[dotted]!r}; another value is another measurement: use eval.protocol=custom")
+        _set_dotted(tree, dotted, value)
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -441,9 +546,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def config_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     tree = json.loads(json.dumps(raw or {}))  # deep copy; never mutate the caller's data
+    overridden: dict[str, Any] = {}
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
+        overridden[key] = value
+    _apply_protocol(tree, overridden)
     return _build(Config, tree)
 
 

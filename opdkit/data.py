@@ -1,34 +1,43 @@
 """Data: read prompt tables (parquet or jsonl), normalise rows, select, format prompts.
 
-Accepted row shapes (detected per row):
+Accepted row shapes (detected per row; column names also in any letter case, as the public files
+spell them):
 
 - plain / embedded: ``prompt`` (str), ``answer``; optional ``solution``, ``id``, ``source``.
 - DAPO-Math style: ``prompt`` as a list of chat messages ``{role, content}`` (the user message
   carries DAPO's "Answer:" instruction around the problem); the ground truth in
   ``reward_model.ground_truth`` (or ``answer``); optional ``data_source``, ``extra_info.index``.
-- MATH-500 / OpenThoughts style: ``problem``, ``solution``; ``answer`` optional (else the last
-  ``\\boxed{}`` of the solution); optional ``source``, ``uuid`` / ``unique_id``.
+- problem style: ``problem`` (or ``question``), ``answer`` (else the last ``\\boxed{}`` of the
+  solution); optional ``solution``, ``COT_Reason`` (a long verified reasoning trace), ``source``, an
+  id (``id`` / ``uuid`` / ``unique_id`` / ``problem_idx``), ``year``. This covers MATH-500
+  (problem/solution/answer/subject/level/unique_id), OpenThoughts-style OPSD rows
+  (problem/solution/COT_Reason?/answer/source), AIME 2024 (``ID/Problem/Solution/Answer``, or
+  id/problem/solution/answer/url/year) and AIME 2025 (``question/answer``, or problem/answer).
 
 Every row becomes an ``Example``; a bad row fails with ``DataError`` naming the file, the row and
-what was expected. ``select`` applies ``data.filters`` (integer answers, minimum reference-solution
-length, excluded sources) and ``data.max_rows``.
+what was expected. ``select`` applies ``data.filters`` (answers matching a regex, excluded sources,
+reference length in the student tokenizer's tokens, the longest share) and ``data.max_rows`` to
+training rows; evaluation reads every row (``load_eval_examples``).
 
-Prompt formats (``data.prompt_format``): ``raw`` keeps the prompt as given (text, or the chat
-messages); ``boxed`` asks for the final answer in ``\\boxed{}`` after the problem; ``answer_line``
-wraps the problem in DAPO's "Answer:" instruction. ``data.chat_template`` renders the prompt with
-the tokenizer's chat template (text prompts become one user message); without it a prompt is
-plain text (chat messages are flattened to their contents).
+Prompt formats (``data.prompt_format``, and ``eval.prompt_format`` for evaluation): ``raw`` keeps
+the prompt as given (text, or the chat messages); the others rebuild the user message from the
+problem (``PROMPT_TEMPLATES``). ``data.chat_template`` renders the prompt with the tokenizer's chat
+template (text prompts become one user message); without it a prompt is plain text (chat messages
+are flattened to their contents). A privileged teacher's prompt (``privileged_prompt``) adds the
+row's reference (``data.teacher_context``) as ``data.teacher_prompt`` says.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opdkit.config import DataConfig
+from opdkit.config import PROMPT_FORMATS, DataConfig
 
 SUFFIXES = (".parquet", ".jsonl", ".json")
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -38,8 +47,25 @@ ANSWER_LINE_PREFIX = (
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
 )
 ANSWER_LINE_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-PRIVILEGED_HINT = ("\n\nHere is a reference solution to this problem:\n{solution}\n\n"
+# data.prompt_format -> the user message, ``{problem}`` filled in (raw: the prompt as stored)
+PROMPT_TEMPLATES = {
+    "boxed": "{problem}\n" + BOXED_INSTRUCTION,
+    "answer_line": ANSWER_LINE_PREFIX + "{problem}" + ANSWER_LINE_SUFFIX,
+    # the released OPSD collator's student message (siyan-zhao/OPSD data_collator.py, the release d75fcc7)
+    "opsd_student": "Problem: {problem}\n\n" + BOXED_INSTRUCTION,
+    # the released OPSD evaluator's message (eval/evaluate_math.py, same release)
+    "opsd_eval": "{problem}\n\n" + BOXED_INSTRUCTION,
+}
+assert set(PROMPT_TEMPLATES) | {"raw"} == set(PROMPT_FORMATS)
+# data.teacher_prompt=hint: the student's prompt, then this (``{reference}``: data.teacher_context's text)
+PRIVILEGED_HINT = ("\n\nHere is a reference solution to this problem:\n{reference}\n\n"
                    "After understanding the reference solution, solve the problem yourself.")
+# data.teacher_prompt=opsd: the released collator's teacher message, its transition prompt included
+OPSD_TEACHER_TEMPLATE = (
+    "{problem}\n\nHere is a reference solution to this problem:\n{reference}\n"
+    "\n\nAfter understanding the reference solution and the rationale behind each step, now articulate your own "
+    "step-by-step reasoning that derives the same final answer to the problem below:\n"
+    "\n" + BOXED_INSTRUCTION)
 
 
 class DataError(ValueError):
@@ -53,6 +79,7 @@ class Example:
     answer: str
     solution: str = ""
     source: str = ""
+    cot: str = ""  # a long verified reasoning trace (OpenThoughts-style COT_Reason), where the row has one
     teacher: str = ""  # the teacher this row names (data.teacher_column with several teachers; "" = the one teacher)
     row: int = field(default=-1, compare=False)  # its row in the data file (for error messages; not part of the row)
 
@@ -132,27 +159,46 @@ def _answer_text(value, where: str) -> str | None:
     return str(value)
 
 
+def _column(row: dict, *names: str) -> str | None:
+    """The key of the first of ``names`` in ``row``: spelled as given, else in another letter case."""
+    lower = {k.lower(): k for k in row if isinstance(k, str)}
+    for name in names:
+        if name in row:
+            return name
+        if name.lower() in lower:
+            return lower[name.lower()]
+    return None
+
+
+def _value(row: dict, *names: str):
+    key = _column(row, *names)
+    return None if key is None else row[key]
+
+
 def normalize_row(row: dict, index: int, path: str, teacher_column: str = "") -> Example:
     """The row as an ``Example``; ``teacher_column``: the column whose value names its teacher."""
     where = f"data file {path}, row {index}"
     teacher = row.get(teacher_column) if teacher_column else ""
     teacher = "" if teacher is None else str(teacher)
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
-    rid = next((str(v) for v in (row.get("id"), row.get("uuid"), row.get("unique_id"), extra.get("index"))
+    rid = next((str(v) for v in (_value(row, "id", "uuid", "unique_id", "problem_idx"), extra.get("index"))
                 if v not in (None, "")), str(index))
-    source = str(row.get("data_source") or row.get("source") or "")
-    if "problem" in row and "prompt" not in row:  # OpenThoughts style
-        if not isinstance(row["problem"], str) or not row["problem"].strip():
-            raise DataError(f"{where}: 'problem' must be non-empty text")
-        solution = str(row.get("solution") or "")
-        answer = _answer_text(row.get("answer"), where) or _last_boxed(solution)
+    year = _value(row, "year")
+    source = str(_value(row, "data_source") or _value(row, "source") or (year if year not in (None, "") else ""))
+    problem_key = _column(row, "problem", "question")
+    if problem_key is not None and _column(row, "prompt") is None:  # problem style (MATH-500, OpenThoughts, AIME)
+        problem = row[problem_key]
+        if not isinstance(problem, str) or not problem.strip():
+            raise DataError(f"{where}: '{problem_key}' must be non-empty text")
+        solution = str(_value(row, "solution") or "")
+        answer = _answer_text(_value(row, "answer"), where) or _last_boxed(solution)
         if not answer:
             raise DataError(f"{where}: no 'answer' and no \\boxed{{}} answer in 'solution'")
-        return Example(rid, row["problem"], answer, solution, source, teacher, index)
+        return Example(rid, problem, answer, solution, source, str(_value(row, "COT_Reason") or ""), teacher, index)
     if "prompt" not in row:
         raise DataError(f"{where} is in none of the known row shapes: expected a 'prompt' column (text, or chat "
-                        "messages as in DAPO-Math-17k) or a 'problem' column (MATH-500 / OpenThoughts); "
-                        f"found columns {sorted(row)}")
+                        "messages as in DAPO-Math-17k) or a 'problem' / 'question' column (MATH-500, OpenThoughts, "
+                        f"AIME); found columns {sorted(row)}")
     prompt = row["prompt"]
     if isinstance(prompt, (list, tuple)):
         if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -167,34 +213,63 @@ def normalize_row(row: dict, index: int, path: str, teacher_column: str = "") ->
         answer = _answer_text(rm.get("ground_truth"), where)
     if answer is None:
         raise DataError(f"{where}: no ground-truth answer (expected an 'answer' column or reward_model.ground_truth)")
-    return Example(rid, prompt, answer, str(row.get("solution") or ""), source, teacher, index)
+    return Example(rid, prompt, answer, str(row.get("solution") or ""), source, str(_value(row, "COT_Reason") or ""),
+                   teacher, index)
 
 
-_INT = re.compile(r"^[+-]?\d+$")
-_BOXED_WRAP = re.compile(r"^\\boxed\{(.*)\}$")
+REFERENCES = ("solution", "cot")  # data.filters.reference, and what data.teacher_context draws on
+TEACHER_REFERENCES = {"solution": ("solution",), "cot": ("cot",), "both": ("solution", "cot")}
+_REFERENCE_COLUMNS = {"solution": "a 'solution' column", "cot": "a 'COT_Reason' column (a verified reasoning trace)"}
 
 
-def is_integer_answer(answer: str) -> bool:
-    """``34``, ``-5``, ``1,000``, ``1{,}000``, ``$34$``, ``\\boxed{34}``: yes; ``3.5``, ``\\frac{1}{2}``: no."""
-    a = answer.strip().strip("$").strip()
-    m = _BOXED_WRAP.match(a)
-    if m:
-        a = m.group(1).strip()
-    a = a.replace("{,}", "").replace("\\,", "").replace(",", "").replace(" ", "")
-    return bool(_INT.match(a))
+def reference_text(ex: Example, which: str) -> str:
+    """The row's reference of kind ``which``: its solution, or its COT_Reason trace."""
+    return {"solution": ex.solution, "cot": ex.cot}[which]
 
 
-def select(examples: list[Example], data: DataConfig) -> list[Example]:
-    """Apply the selection filters of ``data.filters`` and ``data.max_rows`` (order preserved)."""
+def token_counter(tokenizer) -> Callable[[list[str]], list[int]]:
+    """Token counts of texts under ``tokenizer`` (no special tokens added), for the length filters."""
+    def count(texts: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids] if texts else []
+
+    return count
+
+
+def needs_tokens(data: DataConfig) -> bool:
+    """Whether ``select`` counts tokens (and so needs a token counter) under these filters."""
     f = data.filters
+    return f.min_reference_tokens > 0 or f.top_reference_fraction < 1.0
+
+
+def select(examples: list[Example], data: DataConfig,
+           count_tokens: Callable[[list[str]], list[int]] | None = None) -> list[Example]:
+    """Apply ``data.filters`` and ``data.max_rows``, in this order, the table's order kept:
+
+    1. answers whose stripped text fully matches ``answer_regex`` (``-?\\d{1,6}``: "34", "-5";
+       not "1,000", "+5", "3.0", "$34$");
+    2. sources not in ``exclude_sources``;
+    3. references (``reference``: solution or COT_Reason trace) of at least ``min_reference_tokens``
+       tokens (``count_tokens``: texts -> counts, e.g. ``token_counter(the student's tokenizer)``);
+    4. of those, the ``ceil(top_reference_fraction * n)`` rows with the longest references (ties: the
+       earlier row first), i.e. 0.5 keeps the upper half;
+    5. the first ``max_rows``.
+    """
+    f = data.filters
+    pattern = re.compile(f.answer_regex) if f.answer_regex else None
     excluded = set(f.exclude_sources)
-    out = [
-        ex for ex in examples
-        if (not f.integer_answers or is_integer_answer(ex.answer))
-        and len(ex.solution.strip()) >= f.min_solution_chars
-        and ex.source not in excluded
-    ]
-    return out[: data.max_rows] if data.max_rows else out
+    rows = [ex for ex in examples
+            if (pattern is None or pattern.fullmatch(ex.answer.strip())) and ex.source not in excluded]
+    if needs_tokens(data):
+        if count_tokens is None:
+            raise DataError("data.filters.min_reference_tokens / top_reference_fraction count reference lengths in "
+                            "tokens: load the rows with the student's tokenizer (load_examples(..., tokenizer=...))")
+        lengths = count_tokens([reference_text(ex, f.reference) for ex in rows])
+        keep = [i for i, n in enumerate(lengths) if n >= f.min_reference_tokens]
+        if f.top_reference_fraction < 1.0:
+            n_keep = math.ceil(f.top_reference_fraction * len(keep))
+            keep = sorted(sorted(keep, key=lambda i: -lengths[i])[:n_keep])  # sorted() is stable: ties keep order
+        rows = [rows[i] for i in keep]
+    return rows[: data.max_rows] if data.max_rows else rows
 
 
 def check_teachers(examples: list[Example], path, column: str, teachers: tuple[str, ...]) -> None:
@@ -210,75 +285,114 @@ def check_teachers(examples: list[Example], path, column: str, teachers: tuple[s
                         f"like it); give each row one of those names in column {column!r} (data.teacher_column)")
 
 
-def load_examples(path: str | Path, data: DataConfig, *, require_solution: bool = False,
-                  teachers: tuple[str, ...] | None = None) -> list[Example]:
-    """Read, normalise and select; an empty result, or (``require_solution``) a selected row with
-    no reference solution, is an error that says why. ``data.teacher_column`` (several teachers) is
-    read where the file has it; with ``teachers`` (the training data) the file must have it and every
-    selected row must name one of them."""
+def _read_examples(path: str | Path, teacher_column: str = "", need_column: bool = False) -> list[Example]:
+    """Every row of the file; ``need_column``: the file must have ``teacher_column``."""
     rows = read_table(path)
     if not rows:
         raise DataError(f"data file {path} has no rows")
+    if need_column and not any(teacher_column in r for r in rows):
+        raise DataError(f"data file {path} has no column {teacher_column!r} (data.teacher_column: the column naming "
+                        f"each row's teacher); its columns: {sorted(rows[0])}")
+    return [normalize_row(r, i, str(path), teacher_column) for i, r in enumerate(rows)]
+
+
+def load_examples(path: str | Path, data: DataConfig, *, require: tuple[str, ...] = (),
+                  tokenizer=None, teachers: tuple[str, ...] | None = None) -> list[Example]:
+    """Training rows: read, normalise and select (``tokenizer``: the student's, when the filters count
+    tokens); an empty result, or a selected row without a reference named in ``require``
+    ("solution", "cot"), is an error that says why. ``data.teacher_column`` (several teachers) is
+    read where the file has it; with ``teachers`` (the training data) the file must have it and every
+    selected row must name one of them."""
     column = data.teacher_column if teachers is not None else ""
-    if column and not any(column in r for r in rows):
-        raise DataError(f"data file {path} has no column {column!r} (data.teacher_column: the column naming each row's "
-                        f"teacher); its columns: {sorted(rows[0])}")
-    examples = [normalize_row(r, i, str(path), data.teacher_column) for i, r in enumerate(rows)]
-    chosen = select(examples, data)
+    examples = _read_examples(path, data.teacher_column, need_column=bool(column))
+    chosen = select(examples, data, token_counter(tokenizer) if tokenizer is not None else None)
     if not chosen:
         raise DataError(f"data file {path}: all {len(examples)} rows were removed by data.filters / data.max_rows")
-    if require_solution:
-        missing = [ex.id for ex in chosen if not ex.solution.strip()]
+    for which in require:
+        missing = [ex.id for ex in chosen if not reference_text(ex, which).strip()]
         if missing:
-            raise DataError(f"data file {path}: this run needs reference solutions (a 'solution' column), but "
+            raise DataError(f"data file {path}: this run needs {_REFERENCE_COLUMNS[which]} in every row, but "
                             f"{len(missing)} of {len(chosen)} selected rows have none (first: id {missing[0]}); "
-                            "drop them with -S data.filters.min_solution_chars=1")
+                            f"drop them with -S data.filters.reference={which} -S data.filters.min_reference_tokens=1")
     if column:
         check_teachers(chosen, path, column, teachers)
     return chosen
+
+
+def load_eval_examples(paths: list[str | Path]) -> list[Example]:
+    """Evaluation rows: every row of each file (``data.filters`` select training rows only). With
+    several files (e.g. AIME 2024 and AIME 2025), ids become ``<file stem>/<id>`` so that questions
+    stay apart, and a row without a source takes its file's stem (the eval JSON's per-source parts)."""
+    if len(paths) == 1:
+        return _read_examples(paths[0])
+    out = []
+    for path in paths:
+        stem = Path(path).stem
+        out += [Example(f"{stem}/{ex.id}", ex.prompt, ex.answer, ex.solution, ex.source or stem, ex.cot)
+                for ex in _read_examples(path)]
+    return out
 
 
 def fingerprint(examples: list[Example]) -> str:
     """sha256 over the selected examples (what a run trained on, independent of file format)."""
     h = hashlib.sha256()
     for ex in examples:  # a row's teacher counts where it names one (one teacher: as before)
-        fields = [ex.id, ex.prompt, ex.answer, ex.solution, ex.source] + ([ex.teacher] if ex.teacher else [])
+        fields = ([ex.id, ex.prompt, ex.answer, ex.solution, ex.source] + ([ex.cot] if ex.cot else [])
+                  + ([ex.teacher] if ex.teacher else []))
         h.update(json.dumps(fields, sort_keys=True).encode())
     return h.hexdigest()
+
+
+def _fill(template: str, **fields: str) -> str:
+    """``template`` with ``{name}`` replaced by ``fields[name]`` in one pass (the texts may hold braces)."""
+    return re.sub(r"\{(" + "|".join(fields) + r")\}", lambda m: fields[m.group(1)], template)
+
+
+def _system_messages(ex: Example) -> list[dict]:
+    return [dict(m) for m in ex.prompt if m.get("role") == "system"] if not isinstance(ex.prompt, str) else []
+
+
+def _as_prompt(messages: list[dict], data: DataConfig) -> str | list[dict]:
+    return messages if data.chat_template else "\n\n".join(m["content"] for m in messages)
 
 
 def format_prompt(ex: Example, data: DataConfig) -> str | list[dict]:
     """The prompt the model sees: chat messages with ``data.chat_template``, else text."""
     if data.prompt_format == "raw":
         if isinstance(ex.prompt, str):
-            messages = [{"role": "user", "content": ex.prompt}]
-        else:
-            messages = [dict(m) for m in ex.prompt]
-    else:
-        problem = ex.problem_text
-        text = (f"{problem}\n{BOXED_INSTRUCTION}" if data.prompt_format == "boxed"
-                else f"{ANSWER_LINE_PREFIX}{problem}{ANSWER_LINE_SUFFIX}")
-        system = [dict(m) for m in ex.prompt if m.get("role") == "system"] if not isinstance(ex.prompt, str) else []
-        messages = system + [{"role": "user", "content": text}]
-    if data.chat_template:
-        return messages
-    if data.prompt_format == "raw" and isinstance(ex.prompt, str):
-        return ex.prompt
-    return "\n\n".join(m["content"] for m in messages)
+            return [{"role": "user", "content": ex.prompt}] if data.chat_template else ex.prompt
+        return _as_prompt([dict(m) for m in ex.prompt], data)
+    text = _fill(PROMPT_TEMPLATES[data.prompt_format], problem=ex.problem_text)
+    return _as_prompt(_system_messages(ex) + [{"role": "user", "content": text}], data)
+
+
+def teacher_reference(ex: Example, data: DataConfig) -> str:
+    """What a privileged teacher is shown (``data.teacher_context``): the solution, the COT_Reason
+    trace, or both (the solution, a blank line, the trace)."""
+    return "\n\n".join(reference_text(ex, which) for which in TEACHER_REFERENCES[data.teacher_context])
+
+
+def privileged_prompt(ex: Example, data: DataConfig) -> str | list[dict]:
+    """A privileged teacher's prompt (OPSD): ``hint``: the student's prompt with ``PRIVILEGED_HINT``
+    after its last user message (text prompts of the embedded default, no chat template: `` [ref]``);
+    ``opsd``: the released collator's teacher message built from the problem (``OPSD_TEACHER_TEMPLATE``)."""
+    reference = teacher_reference(ex, data)
+    if data.teacher_prompt == "opsd":
+        text = _fill(OPSD_TEACHER_TEMPLATE, problem=ex.problem_text, reference=reference)
+        return _as_prompt(_system_messages(ex) + [{"role": "user", "content": text}], data)
+    formatted = format_prompt(ex, data)
+    if isinstance(formatted, str):
+        plain = data.prompt_format == "raw" and isinstance(ex.prompt, str)
+        return formatted + (f" [{reference}]" if plain else _fill(PRIVILEGED_HINT, reference=reference))
+    users = [i for i, m in enumerate(formatted) if m["role"] == "user"]
+    last = users[-1] if users else len(formatted) - 1
+    hint = _fill(PRIVILEGED_HINT, reference=reference)
+    return [dict(m, content=m["content"] + hint) if i == last else m for i, m in enumerate(formatted)]
 
 
 def encode_prompt(ex: Example, tokenizer, data: DataConfig, privileged: bool = False) -> list[int]:
-    """Token ids of the formatted prompt; ``privileged`` adds the reference solution (OPSD teacher)."""
-    formatted = format_prompt(ex, data)
-    if privileged:
-        hint = f" [{ex.solution}]" if data.prompt_format == "raw" and isinstance(ex.prompt, str) and not data.chat_template \
-            else PRIVILEGED_HINT.format(solution=ex.solution)
-        if isinstance(formatted, list):
-            last = max(i for i, m in enumerate(formatted) if m["role"] == "user") if any(
-                m["role"] == "user" for m in formatted) else len(formatted) - 1
-            formatted = [dict(m, content=m["content"] + hint) if i == last else m for i, m in enumerate(formatted)]
-        else:
-            formatted = formatted + hint
+    """Token ids of the formatted prompt; ``privileged``: the privileged teacher's prompt (OPSD)."""
+    formatted = privileged_prompt(ex, data) if privileged else format_prompt(ex, data)
     if isinstance(formatted, list):
         if getattr(tokenizer, "chat_template", None) is None:
             raise DataError("data.chat_template is true but the tokenizer has no chat template; "

@@ -9,22 +9,28 @@ every rank. Per step:
 - the step's token count is summed over ranks before the loss, and every rank divides its summed
   loss by ``global tokens / N``: FSDP averages gradients over the N ranks, so the update is the
   token mean over the whole step, as in one process;
-- metrics are reduced over ranks; rank 0 alone writes them, saves the trainer state and publishes
-  checkpoints (the other ranks take part in gathering the full weights).
+- every rank issues the same collectives whatever its data: the loss's backward structure
+  (``opd.micro_losses``, with ``sharding.deferred_grad_sync`` / ``layers_gathered``) does not
+  depend on a rank's completion lengths, and ``sharding.check_same_on_ranks`` refuses unequal
+  numbers of micro-batches;
+- metrics are reduced over ranks; rank 0 alone writes them and publishes checkpoints (the other
+  ranks take part in gathering the full weights); every rank writes its shards of the trainer
+  state (``opdkit.trainer_state``).
 
 The student is sharded with FSDP2 (``fully_shard`` on each decoder layer, then on the root, which
 owns the embeddings, the final norm and the head). The teacher is replicated (inference only) or
 sharded the same way (``runtime.teacher_sharding``). On CUDA the layers all-gather in bf16
 (``MixedPrecisionPolicy``; the fp32 masters and the optimizer stay fp32). Rollouts: an engine with
 its own copy of the weights (the static decoder, vLLM) gets them gathered one parameter at a time
-in ``sync_weights``; ``model.generate`` on the live model runs under ``full_params`` (see
+in ``sync_weights``; the HF engine's decode loop on the live model runs under ``full_params`` (see
 ``engines.sharded``). Either way generation runs no collectives and a rank that finishes early does
 not hold the others up.
 
-The trainer state is written in the single-process layout (full, unsharded weights or, with LoRA,
-only the adapter, gathered alone; the optimizer state keyed by parameter index), gathered with the
-``torch.distributed.checkpoint`` state-dict helpers: a run resumes under any world size that divides ``rollout.prompts_per_step``,
-including one process. Backend: NCCL on CUDA (``NCCL_NVLS_ENABLE=0`` unless set), gloo on CPU.
+The trainer state stores tensors by name at their global shapes (``torch.distributed.checkpoint``),
+so a run resumes under any world size that divides ``rollout.prompts_per_step``, including one
+process. Backend: NCCL on CUDA (``NCCL_NVLS_ENABLE=0`` unless set), gloo on CPU; a collective that
+waits longer than ``runtime.collective_timeout_s`` for another rank raises (gloo; NCCL's watchdog
+ends the process), and the loop turns it into ``CollectiveFailure`` naming the step and phase.
 
 Nothing here runs or imports ``torch.distributed`` state on import; a plain ``python -m opdkit``
 run never touches it (``World()`` is the single-process world).
@@ -41,8 +47,8 @@ import torch
 
 from opdkit.config import Config, RuntimeConfig
 from opdkit.engines import select
-from opdkit.engines.weights import export_state_dict as _export, full
-from opdkit.setup import Run, RunError, make_optimizer, trainable_state as _trainable_unsharded
+from opdkit.engines.weights import export_state_dict as _export
+from opdkit.setup import Run, RunError, make_optimizer
 from opdkit.sharding import fsdp_units, full_params, is_sharded, reshard  # noqa: F401
 from opdkit.teacher import unwrap
 
@@ -146,10 +152,34 @@ def init(rt: RuntimeConfig) -> World:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=30),
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=rt.collective_timeout_s),
                             **({"device_id": device} if use_cuda else {}))
     _WORLD = World(rank, size, local, device, active=True)
     return _WORLD
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective of a torchrun rank timed out or lost its peer (a rank stuck, or dead) in one
+    phase of a step; ``record`` names both for run.json."""
+
+    def __init__(self, step: int, phase: str, cause: BaseException, timeout_s: float):
+        self.step, self.phase = step, phase
+        self.record = {"step": step, "collective_failure": phase}
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        where = "while starting" if phase == "startup" else f"in the {phase} phase of step {step}"
+        super().__init__(f"a collective did not complete {where} ({first}): another rank stopped answering (it is "
+                         f"stuck, or it died: see its own error). runtime.collective_timeout_s={timeout_s:g} bounds "
+                         "the wait; raise it if one rank may legitimately wait longer for the others")
+
+
+def is_collective_failure(exc: BaseException, world: World) -> bool:
+    """True for the error of a collective that timed out or whose peer went away, on a rank of a
+    process group: NCCL's ``DistError``s, and gloo's ``RuntimeError`` (its message names gloo)."""
+    if not world.active or isinstance(exc, torch.OutOfMemoryError):
+        return False
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
 
 
 def current() -> World:
@@ -174,7 +204,12 @@ def check_params(cfg: Config, world: World) -> None:
     n = world.size if world.active else int(os.environ.get("WORLD_SIZE", "1"))
     select.check_params(cfg, world.device if world.active else torch.device(
         "cuda" if cfg.runtime.device != "cpu" and torch.cuda.is_available() else "cpu"))
+    if cfg.runtime.collective_timeout_s <= 0:
+        raise RunError(f"runtime.collective_timeout_s must be > 0 seconds, got {cfg.runtime.collective_timeout_s}")
     P = cfg.rollout.prompts_per_step
+    if cfg.rollout.overlap and n > 1:
+        raise RunError(f"rollout.overlap=1 runs in one process (a background rollout would interleave with the "
+                       f"collectives of {n} ranks): set rollout.overlap=0 under torchrun")
     if P % n:
         raise RunError(f"rollout.prompts_per_step={P} must be a multiple of the number of ranks ({n}): "
                        "every rank rolls out the same number of prompts")
@@ -301,56 +336,7 @@ def reduce_metrics(m: dict, world: World) -> dict:
     return out
 
 
-# --- gathering state (rank 0 receives; every rank must call) ----------------------------------
-
-
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The full, unsharded ``state_dict`` of ``model`` on rank 0's CPU ({} on other ranks); a CPU
-    copy of the plain ``state_dict`` for an unsharded model."""
-    if not is_sharded(model):
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    reshard(model)
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """``setup.trainable_state`` of the unsharded model, on rank 0 ({} on other ranks). With LoRA
-    only the adapter parameters are gathered (one at a time), not the whole model."""
-    if not is_sharded(model):
-        return _trainable_unsharded(model)
-    if not hasattr(model, "merge_adapter"):
-        return full_state_dict(model)
-    from peft import get_peft_model_state_dict
-
-    reshard(model)
-    main = current().is_main
-    adapters = {}
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            t = full(p.detach())
-            if main:
-                adapters[n] = t.to("cpu", copy=True)
-    return get_peft_model_state_dict(model, state_dict=adapters) if main else {}
-
-
-def optimizer_state(model, optimizer) -> dict:
-    """The optimizer's ``state_dict`` as one process would have it (state keyed by the index of
-    the parameter in optimizer order, full tensors), on rank 0 ({} on other ranks)."""
-    if not is_sharded(model):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    reshard(model)
-    full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not full:
-        return {}
-    index = {n: i for i, n in enumerate(trainable_names(model))}
-    return {
-        "state": {index[n]: s for n, s in full["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in full["param_groups"]],
-    }
+# --- gathering the weights (rank 0 receives; every rank must call) -----------------------------
 
 
 def export_state_dict(model) -> dict[str, torch.Tensor]:

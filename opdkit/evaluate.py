@@ -1,20 +1,22 @@
 """Evaluation: sample n completions per question, grade them, report clustered error bars.
 
-The protocol (temperature, top_p, token cap, samples per question, seed) comes from ``EvalConfig``;
+The protocol (temperature, top_p, token cap, samples per question, seed, prompt) comes from
+``EvalConfig`` (``eval.protocol`` presets fix a seeded run's values: ``opdkit.config.PROTOCOLS``);
 sample j of question q always gets the seed ``sample_seed(eval.seed, 0, q*n + j)``, so two models
 evaluated with the same params see the same random numbers, and a result does not depend on the
-batch size.
+batch size. Grading: the rule grader, then the verifier (``opdkit.grading``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from opdkit.config import DataConfig, EvalConfig
+from opdkit.config import PROTOCOLS, DataConfig, EvalConfig
 from opdkit.data import Example, encode_prompt
 from opdkit.grading import grade_many
 from opdkit.engines.hf import HFEngine
@@ -41,7 +43,7 @@ def sample_answers(model, tokenizer, examples: list[Example], data: DataConfig, 
             ex = chunk[b // n]
             ids = ro.completion_ids_B_T[b, : lengths[b]].tolist()
             records.append({
-                "id": ex.id, "sample": b % n, "answer": ex.answer,
+                "id": ex.id, "source": ex.source, "sample": b % n, "answer": ex.answer,
                 "completion": tokenizer.decode(ids, skip_special_tokens=True),
                 "n_tokens": lengths[b], "truncated": bool(ro.truncated_B[b]),
             })
@@ -50,32 +52,62 @@ def sample_answers(model, tokenizer, examples: list[Example], data: DataConfig, 
     return records
 
 
-def summarize(records: list[dict]) -> dict:
-    """The eval JSON of DESIGN.md from graded per-sample records."""
+def _accuracy(records: list[dict]) -> dict:
     by_q: dict[str, list[float]] = {}
     for r in records:
         by_q.setdefault(r["id"], []).append(float(r["correct"]))
-    acc = clustered_accuracy(by_q)
-    return {
+    return clustered_accuracy(by_q)
+
+
+def summarize(records: list[dict]) -> dict:
+    """The eval JSON of DESIGN.md from graded per-sample records; ``verifier_frac`` is the share of
+    samples that only the verifier accepted. With questions from several sources (AIME 2024 and
+    2025), ``parts`` holds each source's accuracy, clustered stderr and counts."""
+    acc = _accuracy(records)
+    n = max(1, len(records))
+    out = {
         "accuracy": acc["accuracy"], "stderr": acc["stderr"], "stderr_naive": acc["stderr_naive"],
         "n_questions": acc["n_questions"], "n_samples": acc["n_samples"],
-        "truncated_frac": sum(r["truncated"] for r in records) / max(1, len(records)),
-        "boxed_frac": sum(r["has_box"] for r in records) / max(1, len(records)),
-        "mean_response_tokens": sum(r["n_tokens"] for r in records) / max(1, len(records)),
+        "truncated_frac": sum(r["truncated"] for r in records) / n,
+        "boxed_frac": sum(r["has_box"] for r in records) / n,
+        "verifier_frac": sum(r["graded_by"] == "verifier" for r in records) / n,
+        "mean_response_tokens": sum(r["n_tokens"] for r in records) / n,
     }
+    sources = sorted({r["source"] for r in records})
+    if len(sources) > 1:
+        out["parts"] = {}
+        for src in sources:
+            part = _accuracy([r for r in records if r["source"] == src])
+            out["parts"][src] = {k: part[k] for k in ("accuracy", "stderr", "n_questions", "n_samples")}
+    return out
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
              progress: bool = True) -> tuple[dict, list[dict]]:
-    """Sample, grade (in the main thread: math-verify uses signals) and summarise."""
+    """Sample, grade (in the main thread: math-verify uses signals) and summarise. The prompt format is
+    ``eval.prompt_format`` ("" = ``data.prompt_format``)."""
     if ev.max_questions:
         examples = examples[: ev.max_questions]
+    if ev.prompt_format:
+        data = dataclasses.replace(data, prompt_format=ev.prompt_format)
     records = sample_answers(model, tokenizer, examples, data, ev, progress)
     grades = grade_many([r["completion"] for r in records], [r["answer"] for r in records])
     for r, g in zip(records, grades):
-        r.update(pred=g["pred"], correct=bool(g["correct"]), has_box=bool(g["has_box"]))
+        r.update(pred=g["pred"], correct=bool(g["correct"]), has_box=bool(g["has_box"]), graded_by=g["graded_by"])
     return summarize(records), records
+
+
+def protocol_record(ev: EvalConfig, n_questions: int) -> dict:
+    """What the eval JSON records about the protocol: the eval params that define the measurement and,
+    for a preset, whether this evaluation is a complete one (every question of its benchmark)."""
+    out: dict = {"eval_params": {k: getattr(ev, k) for k in
+                                 ("protocol", "n_samples", "temperature", "top_p", "max_new_tokens", "seed", "prompt_format")}}
+    if ev.protocol in PROTOCOLS:
+        expected = PROTOCOLS[ev.protocol].n_questions
+        out.update(protocol=ev.protocol, protocol_questions=expected,
+                   protocol_complete=n_questions == expected and not ev.max_questions)
+    return out
 
 
 def write_eval(summary: dict, records: list[dict], out: str | Path) -> Path:

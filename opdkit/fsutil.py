@@ -3,7 +3,10 @@
 - ``retry_io``: retry a whole I/O operation on *transient* errors (NFS/Lustre hiccups such as
   ``ECOMM``), fail at once on anything else.
 - ``fsync_dir`` / ``fsync_tree`` / ``atomic_write_*``: durable, all-or-nothing writes.
-- ``OutputLock``: one run per output directory (``flock`` on ``DIR/.opdkit.lock``).
+- ``OutputLock``: one run per output directory (``flock`` on ``DIR/.opdkit.lock``); the trainer
+  state directory (``runtime.state_dir``, run.sh's ``CKPT_DIR``) gets one of its own.
+- ``DeviceLock``: the GPU workload lock, one file per machine (``$OPDKIT_GPU_LOCK``, default
+  ``/tmp/opdkit-gpu.lock``): training holds it shared, evaluation exclusively.
 - ``explain_storage_errors``: a full disk, quota or read-only file system (never retried) becomes
   ``StorageError``, whose message names the directory, the bytes needed and the bytes free.
 
@@ -18,6 +21,7 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -167,61 +171,80 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> 
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True) + "\n")
 
 
-# --- one run per output directory -------------------------------------------------------------
+# --- one run per output directory; the GPU workload lock ----------------------------------------
 
 
 class LockHeld(RuntimeError):
-    """Another process (or another ``OutputLock`` in this one) holds the output directory."""
+    """Another process (or another lock object in this one) holds the lock (exit status 75)."""
 
-    def __init__(self, directory: Path, holder: str):
+    def __init__(self, directory: Path, holder: str, what: str = "output directory"):
         self.directory = directory
         self.holder = holder
         super().__init__(
-            f"output directory {directory} is in use by another run ({holder}); wait for it to "
-            f"finish or choose another output directory"
+            f"{what} {directory} is in use by another run ({holder}); wait for it to "
+            f"finish or choose another {what}"
         )
 
 
-class OutputLock:
-    """Exclusive, non-blocking ``flock`` on ``DIR/.opdkit.lock``; raises ``LockHeld`` if taken.
+class DeviceBusy(LockHeld):
+    """The GPU workload lock is taken in the conflicting mode (training: shared, evaluation: exclusive)."""
 
-    Creates ``DIR`` if needed and nothing inside it but the lock file. The holder's pid and host
-    are written into the lock file (for the error message); the file is left in place on release
-    (deleting a lock file races with other lockers). The lock dies with the process, so a killed
-    run never leaves a stale lock behind.
+    def __init__(self, path: Path, holder: str, shared: bool):
+        self.directory, self.holder = path, holder
+        who = (f"an evaluation holds it ({holder})" if shared else
+               "training runs hold it (shared)" + (f"; last exclusive holder: {holder}" if holder != "pid unknown" else ""))
+        want = "training (shared)" if shared else "an evaluation (exclusive)"
+        RuntimeError.__init__(self, f"the GPU workload lock {path} is taken: {who}; {want} cannot start until it is "
+                                    "released (training holds it shared, `opdkit eval` exclusively; "
+                                    "$OPDKIT_GPU_LOCK names the lock file)")
 
-        with OutputLock(out_dir):
-            ...  # the whole run
-    """
 
-    def __init__(self, directory: str | os.PathLike):
-        self.directory = Path(directory)
-        self.path = self.directory / LOCK_NAME
+class _FileLock:
+    """Non-blocking ``flock`` on ``path``: exclusive, or shared (any number of shared holders, none
+    exclusive). An exclusive holder writes its pid and host into the file (for the error message); the
+    file is left in place on release (deleting a lock file races with other lockers). The lock dies with
+    the process, so a killed run never leaves a stale lock behind."""
+
+    def __init__(self, path: Path, shared: bool = False):
+        self.path = Path(path)
+        self.shared = shared
         self._fd: int | None = None
 
-    def acquire(self) -> OutputLock:
-        if self._fd is not None:
-            raise RuntimeError(f"OutputLock on {self.directory} is already acquired")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def _held(self, holder: str) -> LockHeld:
+        raise NotImplementedError
+
+    def _open(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's lock file: flock works on a read-only handle too
+            return os.open(self.path, os.O_RDONLY)
+
+    def acquire(self):
+        if self._fd is not None:
+            raise RuntimeError(f"the lock {self.path} is already acquired")
+        fd = self._open()
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as exc:
             holder = _read_holder(fd)
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise LockHeld(self.directory, holder) from exc
+                raise self._held(holder) from exc
             raise OSError(
                 exc.errno,
                 f"cannot lock {self.path} ({exc.strerror}); this file system may not support "
-                f"flock: choose an output directory on one that does",
+                f"flock: choose a directory on one that does",
             ) from exc
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)
-        except BaseException:
-            os.close(fd)  # closing releases the flock
-            raise
+        if not self.shared:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode(), 0)
+            except PermissionError:
+                pass  # a read-only handle on another user's file: no record
+            except BaseException:
+                os.close(fd)  # closing releases the flock
+                raise
         self._fd = fd
         return self
 
@@ -229,17 +252,58 @@ class OutputLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
-        try:
-            os.ftruncate(fd, 0)  # still ours: clear the holder record before unlocking
-        except OSError:
-            pass  # cosmetic only; the lock is released by close() below regardless
+        if not self.shared:
+            try:
+                os.ftruncate(fd, 0)  # still ours: clear the holder record before unlocking
+            except OSError:
+                pass  # cosmetic only; the lock is released by close() below regardless
         os.close(fd)
 
-    def __enter__(self) -> OutputLock:
+    def __enter__(self):
         return self.acquire()
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+class OutputLock(_FileLock):
+    """Exclusive, non-blocking ``flock`` on ``DIR/.opdkit.lock``; raises ``LockHeld`` if taken.
+
+    Creates ``DIR`` if needed and nothing inside it but the lock file. ``what`` names the directory
+    in the error ("output directory", "trainer state directory").
+
+        with OutputLock(out_dir):
+            ...  # the whole run
+    """
+
+    def __init__(self, directory: str | os.PathLike, what: str = "output directory"):
+        self.directory = Path(directory)
+        self.what = what
+        super().__init__(self.directory / LOCK_NAME)
+
+    def _held(self, holder: str) -> LockHeld:
+        return LockHeld(self.directory, holder, self.what)
+
+
+GPU_LOCK_ENV = "OPDKIT_GPU_LOCK"
+
+
+def device_lock_path() -> Path:
+    """The GPU workload lock's file: ``$OPDKIT_GPU_LOCK``, else ``opdkit-gpu.lock`` in the system's
+    temporary directory (one per machine: every user's runs and evaluations see it)."""
+    return Path(os.environ.get(GPU_LOCK_ENV) or Path(tempfile.gettempdir()) / "opdkit-gpu.lock")
+
+
+class DeviceLock(_FileLock):
+    """The GPU workload lock (DESIGN.md, run.sh): training holds it ``shared`` (concurrent probes may
+    share the machine), ``opdkit eval`` exclusively (it refuses to start while a training process holds
+    it, and no training starts while an evaluation runs); a conflict raises ``DeviceBusy`` (exit 75)."""
+
+    def __init__(self, shared: bool, path: str | os.PathLike | None = None):
+        super().__init__(Path(path) if path is not None else device_lock_path(), shared)
+
+    def _held(self, holder: str) -> LockHeld:
+        return DeviceBusy(self.path, holder, self.shared)
 
 
 def _read_holder(fd: int) -> str:

@@ -1,8 +1,13 @@
 """Answer extraction and grading for math completions.
 
-A completion is graded by its LAST ``\\boxed{...}`` (or ``\\fbox{...}``): the extracted answer is
-compared to the gold answer first as normalized strings (cheap, catches most matches), then with
-math-verify (symbolic/numeric equivalence: ``1/2 == \\frac{1}{2} == 0.5``).
+A completion is graded by its LAST ``\\boxed{...}`` (or ``\\fbox{...}``; failing that, the last
+``Answer:`` line). The extracted answer is compared with the gold answer by the **rule grader** first
+(``normalize_answer`` on both, then string equality: cheap, and it decides most matches), and only
+when the rule grader says no, by the **verifier**, math-verify's ``verify(parse(gold), parse(pred))``
+(symbolic/numeric equivalence: ``1/2 == \\frac{1}{2} == 0.5``, ``\\sqrt{12} == 2\\sqrt{3}``). The
+seeded S1 evaluators ran their rule grader with CompassVerifier (a model-based verifier) as the
+fallback; math-verify is the fallback that runs here. Each graded record says which one accepted
+it (``graded_by``: ``rule`` | ``verifier`` | None when neither did).
 
 A grading *failure* (an exception inside the comparison, e.g. sympy raising on an answer) is "not
 equal" for ``opdkit eval`` (``strict=False``); with ``strict=True`` (the training reward,
@@ -123,23 +128,34 @@ def _math_verify_equal(pred: str, gold: str, strict: bool = False) -> bool:
         return False
 
 
-def grade_answer(pred: str | None, gold: str, strict: bool = False) -> bool:
-    """True if the extracted answer ``pred`` is equivalent to ``gold``; None/empty -> False.
+def rule_equal(pred: str, gold: str) -> bool:
+    """The rule grader: equal after ``normalize_answer`` (both sides)."""
+    return normalize_answer(pred) == normalize_answer(gold)
 
-    Normalized string match first, then math-verify (``verify(parse(gold), parse(pred))``).
+
+def accepted_by(pred: str | None, gold: str, strict: bool = False) -> str | None:
+    """Which grader accepts ``pred`` for ``gold``: ``"rule"``, else ``"verifier"`` (math-verify, asked only
+    when the rule grader says no), else None (wrong; also for a None/empty ``pred``).
+
     Must run in a process's main thread (math-verify's timeouts use ``signal.alarm``).
-    ``strict``: a failure inside math-verify raises ``GradingError`` (else it is False).
+    ``strict``: a failure inside math-verify raises ``GradingError`` (else it is None: not accepted).
     """
     if pred is None or not pred.strip():
-        return False
-    if normalize_answer(pred) == normalize_answer(gold):
-        return True
+        return None
+    if rule_equal(pred, gold):
+        return "rule"
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
             "grade_answer must run in the main thread (math-verify times out with signal.alarm); "
             "use grade_many(..., processes=N) to parallelise instead of threads"
         )
-    return _math_verify_equal(pred, gold, strict)
+    return "verifier" if _math_verify_equal(pred, gold, strict) else None
+
+
+def grade_answer(pred: str | None, gold: str, strict: bool = False) -> bool:
+    """True if the extracted answer ``pred`` is equivalent to ``gold`` (rule grader, then verifier);
+    ``strict``: a failure inside math-verify raises ``GradingError`` (else it is False)."""
+    return accepted_by(pred, gold, strict) is not None
 
 
 _ANSWER_LINE_RE = re.compile(r"^\s*\**Answer\**\s*:\s*(.+?)\s*$", re.MULTILINE)
@@ -158,11 +174,12 @@ def extract_answer(text: str) -> str | None:
 def grade_completion(completion_text: str, gold: str) -> dict:
     """Grade one completion by its last box.
 
-    Returns ``{"pred": str | None, "correct": bool, "has_box": bool}``; ``has_box`` is True when a
-    complete box was extracted (an unbalanced final box counts as no box).
+    Returns ``{"pred": str | None, "correct": bool, "has_box": bool, "graded_by": "rule" | "verifier" |
+    None}``; ``has_box`` is True when an answer was extracted (an unbalanced final box counts as none).
     """
     pred = extract_answer(completion_text)
-    return {"pred": pred, "correct": grade_answer(pred, gold), "has_box": pred is not None}
+    how = accepted_by(pred, gold)
+    return {"pred": pred, "correct": how is not None, "has_box": pred is not None, "graded_by": how}
 
 
 def grade_many(completions: list[str], golds: list[str], processes: int = 0) -> list[dict]:
@@ -183,17 +200,18 @@ def grade_many(completions: list[str], golds: list[str], processes: int = 0) -> 
     preds = [extract_answer(c) for c in completions]
     pairs = list(dict.fromkeys((p, g) for p, g in zip(preds, golds) if p is not None))
     if processes == 0 or not pairs:
-        verdicts = [grade_answer(p, g) for p, g in pairs]
+        verdicts = [accepted_by(p, g) for p, g in pairs]
     else:
         ctx = multiprocessing.get_context("spawn")
         chunksize = max(1, len(pairs) // (4 * processes))
         with ProcessPoolExecutor(max_workers=processes, mp_context=ctx) as pool:
             verdicts = list(
-                pool.map(grade_answer, [p for p, _ in pairs], [g for _, g in pairs],
+                pool.map(accepted_by, [p for p, _ in pairs], [g for _, g in pairs],
                          chunksize=chunksize)
             )
     verdict_of = dict(zip(pairs, verdicts))
-    return [
-        {"pred": p, "correct": p is not None and verdict_of[(p, g)], "has_box": p is not None}
-        for p, g in zip(preds, golds)
-    ]
+    out = []
+    for p, g in zip(preds, golds):
+        how = verdict_of[(p, g)] if p is not None else None
+        out.append({"pred": p, "correct": how is not None, "has_box": p is not None, "graded_by": how})
+    return out

@@ -19,7 +19,8 @@ and the README say it too):
   outside it (rounding at the nucleus' edge) has weight 0. The sft control is supervised NLL of
   the model itself (τ = 1, no top-p), whatever the rollout settings.
 - p_T, the teacher: its own distribution, softmax of its logits at temperature 1 over the
-  tokenizer's ids, untruncated: the target the divergences compare p_S with.
+  tokenizer's ids, untruncated: the target the divergences compare p_S with (fkl / rkl / jsd:
+  at ``loss.teacher_temperature`` instead, for the released OPSD recipe, which tempers both sides).
 
 With top-p < 1, p_S is 0 outside S, so a divergence with the teacher first (k3, fkl, topk_fkl;
 KL(p_T || p_S) would be infinite) is taken over S: sum_{v in S} p_T(v) log(p_T(v) / p_S(v)), whose
@@ -47,10 +48,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-TEACHER_NEEDS = ("none", "token", "topk", "full")  # what the teacher scores, cheapest first
+TEACHER_NEEDS = ("none", "recorded", "token", "topk", "full")  # what the teacher scores, cheapest first
 _TOKEN = ("logp_B_T", "old_logp_B_T", "teacher_logp_B_T", "mask_B_T", "n_tokens")
 _FULL = ("logits_B_T_V", "teacher_logp_B_T_V", "mask_B_T", "n_tokens")
-_CLIP_METRICS = ("kl", "fkl", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
+_CLIP_METRICS = ("kl", "kl_forward", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class LossSpec:
 
 
 def _clip_params(L) -> dict:
-    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf}
+    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf, "teacher_temperature": L.teacher_temperature}
 
 
 LOSSES: dict[str, LossSpec] = {s.name: s for s in (
@@ -119,9 +120,31 @@ def update_policy(L, R) -> tuple[float, float]:
     return (1.0, 1.0) if L.name == "sft" else (R.temperature, R.top_p)
 
 
-def teacher_need(L) -> str:
-    """What the teacher scores for loss config ``L`` (the sft control on references: nothing)."""
-    return "none" if samples_from(L) == "reference" else spec(L.name).teacher
+def reads_sampling_logp(L, R) -> bool:
+    """Whether loss config ``L`` (rollout config ``R``) reads the sampling-time log-probs: the loss's
+    function (``old_logp_B_T``), the reward's policy-gradient term (``loss.reward_weight`` > 0 with
+    ``reward="term"``: its importance ratio), or the sft control's ``kl`` from the recorded teacher
+    log-probs (``teacher_need`` = ``recorded``). The engines need record them only then (and for the
+    first batch's alignment check)."""
+    s = spec(L.name)
+    return ("old_logp_B_T" in s.inputs or (L.reward_weight != 0 and s.reward == "term")
+            or teacher_need(L, R) == "recorded")
+
+
+def teacher_need(L, R) -> str:
+    """What the teacher scores for loss config ``L`` and rollout config ``R``: the loss's ``teacher``,
+    except for the sft control: on references nothing (``none``); on teacher samples drawn at
+    temperature 1 and top-p 1 (or greedily) nothing either (``recorded``): the engines record log π of
+    each sampled token under the policy that sampled it (module docstring), here the teacher's own
+    distribution, so its ``kl`` metric reads those instead of a second teacher pass. At other rollout
+    settings the recorded value is the tempered or truncated policy's, not the teacher's: the teacher
+    scores its samples (``token``)."""
+    source = samples_from(L)
+    if source == "reference":
+        return "none"
+    if source == "teacher" and (R.temperature <= 0 or (R.temperature == 1.0 and R.top_p >= 1.0)):
+        return "recorded"
+    return spec(L.name).teacher
 
 
 CONVENTION = (

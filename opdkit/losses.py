@@ -31,8 +31,11 @@ gradient); ``"token"`` scales each position's divergence by ``min(1, tau / div).
 capped at tau, gradient direction kept).
 
 Metrics are detached python floats. Means are over this call's masked-in tokens (not divided by
-``n_tokens``); ``tokens`` is that count, to weight means when combining micro-batches. ``kl`` is
-always the unclipped reverse KL(student || teacher) per token (sampled k1 estimate for k1/k2/k3).
+``n_tokens``); ``tokens`` is that count, to weight means when combining micro-batches. ``kl`` (the
+contract's key) is always the unclipped *reverse* KL(student || teacher) per token (sampled k1
+estimate for k1/k2/k3); ``kl_forward`` (fkl / rkl / jsd) is the unclipped *forward* KL(teacher ||
+student), the quantity the OPSD log's ``kl`` ("[OPSD kl]") tracks: read its 0.098 -> 0.199 against
+``kl_forward``, never against ``kl``.
 Teacher inputs are constants (detached). Padding positions of the detached inputs are replaced by
 the student's own values, so garbage (inf/nan) there cannot reach the loss or its gradient.
 Computation is in fp32 (fp64 inputs stay fp64).
@@ -127,17 +130,24 @@ def _topk_overlap_B_T(teacher_ids_B_T_k: Tensor, student_ids_B_T_k: Tensor) -> T
 # ----------------------------------------------------------------------------- full-distribution losses
 
 
-def _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens):
-    """Shape checks, fp32 log-softmax of the student, detached teacher with padding set to the student."""
+def _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, teacher_temperature=1.0):
+    """Shape checks, fp32 log-softmax of the student, detached teacher with padding set to the student.
+
+    ``teacher_temperature`` t: the teacher's distribution becomes softmax(z_T / t), from its log-probs
+    (log_softmax(log p_T / t) = log_softmax(z_T / t)): the released OPSD, like TRL's GKD, tempers the teacher
+    by its sampling temperature too. The student's logits come as the policy it samples (already tempered).
+    """
     B, T, V = _check_logits(student_logits_B_T_V)
     t_shape = tuple(teacher_logp_B_T_V.shape)
     assert t_shape == (B, T, V), f"teacher_logp_B_T_V {t_shape}, want {(B, T, V)}"
     assert mask_B_T.shape == (B, T), f"mask_B_T {tuple(mask_B_T.shape)} vs {(B, T)}"
+    assert teacher_temperature > 0, f"teacher_temperature must be > 0, got {teacher_temperature}"
     mask_B_T = mask_B_T != 0
     student_logp_B_T_V = torch.log_softmax(student_logits_B_T_V.float(), dim=-1)
-    teacher_logp_B_T_V = torch.where(
-        mask_B_T[..., None], teacher_logp_B_T_V.detach().float(), student_logp_B_T_V.detach()
-    )
+    teacher_logp_B_T_V = teacher_logp_B_T_V.detach().float()
+    if teacher_temperature != 1.0:
+        teacher_logp_B_T_V = torch.log_softmax(teacher_logp_B_T_V / teacher_temperature, dim=-1)
+    teacher_logp_B_T_V = torch.where(mask_B_T[..., None], teacher_logp_B_T_V, student_logp_B_T_V.detach())
     return student_logp_B_T_V, teacher_logp_B_T_V, mask_B_T, _check_n_tokens(n_tokens)
 
 
@@ -145,7 +155,7 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
     """Sum the per-entry divergence terms per position, clip them, token-mean over the step.
 
     Metrics (shared by fkl/rkl/jsd): ``kl`` (unclipped reverse KL(p_S || p_T), mean over masked
-    tokens), ``fkl`` (unclipped forward KL), ``clipped_mass`` (entry clip: mean teacher probability
+    tokens), ``kl_forward`` (unclipped forward KL(p_T || p_S): what the OPSD log calls ``kl``), ``clipped_mass`` (entry clip: mean teacher probability
     mass in clipped entries; 0 for none/token), ``clipped_frac`` (entry: fraction of positions with
     any clipped entry; token: fraction of positions whose divergence exceeded tau; 0 for none),
     ``topk_overlap`` (mean |top-k(teacher) ∩ top-k(student)| / k, k = min(k, V)), ``tokens``.
@@ -177,7 +187,7 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
         overlap_B_T = _topk_overlap_B_T(t_B_T_V.topk(k, -1).indices, s_B_T_V.topk(k, -1).indices)
         metrics = {
             "kl": _mean(reverse_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
-            "fkl": _mean(forward_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
+            "kl_forward": _mean(forward_kl_per_token(s_B_T_V, t_B_T_V), mask_B_T),
             "clipped_mass": clip_mass,
             "clipped_frac": clip_frac,
             "topk_overlap": _mean(overlap_B_T, mask_B_T),
@@ -186,7 +196,8 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
     return loss, metrics
 
 
-def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
+def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8,
+             teacher_temperature=1.0):
     """Forward KL(p_T || p_S) = sum_v p_T (log p_T - log p_S) per position, token-mean over the step.
 
     Exact over the vocabulary: its gradient is ∇KL(p_T || p_S) (unclipped).
@@ -194,16 +205,17 @@ def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
     ``clip="entry"``: each summand -> min(p_T log(p_T / p_S), tau); ``clip="token"``: the position's
     KL times min(1, tau / KL).detach(). ``student_logits_B_T_V`` raw logits (with grad),
     ``teacher_logp_B_T_V`` normalised teacher log-probs, ``mask_B_T`` 1 = completion token.
-    Metrics: ``kl``, ``fkl``, ``clipped_mass``, ``clipped_frac``, ``topk_overlap``, ``tokens``
-    (defined in ``_divergence_loss``).
+    Metrics: ``kl``, ``kl_forward``, ``clipped_mass``, ``clipped_frac``, ``topk_overlap``, ``tokens``
+    (defined in ``_divergence_loss``). ``teacher_temperature``: the teacher at softmax(z_T / t) (``_full_inputs``).
     """
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, teacher_temperature)
     terms_B_T_V = _fkl_terms(s_B_T_V, t_B_T_V)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     return loss, _floats(metrics)
 
 
-def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8):
+def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip="none", tau=math.inf, *, k=8,
+             teacher_temperature=1.0):
     """Reverse KL(p_S || p_T) = sum_v p_S (log p_S - log p_T) per position, token-mean over the step.
 
     Exact over the vocabulary: its gradient is ∇KL(p_S || p_T) (unclipped).
@@ -212,14 +224,15 @@ def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
     the top is capped; ``clipped_mass`` still reports the teacher mass of clipped entries);
     ``clip="token"``: as in ``fkl_loss``. Shapes and metrics as in ``fkl_loss``.
     """
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, teacher_temperature)
     terms_B_T_V = _rkl_terms(s_B_T_V, t_B_T_V)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     return loss, _floats(metrics)
 
 
 def jsd_loss(
-    student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, beta, clip="none", tau=math.inf, *, k=8
+    student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, beta, clip="none", tau=math.inf, *, k=8,
+    teacher_temperature=1.0,
 ):
     """Generalized JSD (GKD, TRL ``generalized_jsd_loss``) per position, token-mean over the step.
 
@@ -233,7 +246,7 @@ def jsd_loss(
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta!r}: expected 0 <= beta <= 1 (params key loss.jsd_beta)")
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, teacher_temperature)
     terms_B_T_V = _jsd_terms(s_B_T_V, t_B_T_V, beta)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     metrics["jsd"] = _mean(terms_B_T_V.detach().sum(-1), mask_B_T)

@@ -131,7 +131,7 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | list[ModelS
             mb_rows * tokens * activation_bytes_per_token(student, compute, ckpt),
         f"logits chunk ({mb_rows} rows x {chunk} positions x {student.rows:,})": 3 * 4 * mb_rows * chunk * student.rows,
     }
-    if loss_table.teacher_need(cfg.loss) == "full" and teacher is not None:
+    if loss_table.teacher_need(cfg.loss, cfg.rollout) == "full" and teacher is not None:
         update["teacher's log-softmax chunk"] = 4 * mb_rows * chunk * teacher.rows
         if not _here(cfg.teacher.device, device):
             update["the teacher's head, copied here (bf16)"] = 2 * teacher.rows * teacher.hidden

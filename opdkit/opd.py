@@ -6,7 +6,8 @@ Each can be called from a notebook. The training loop (``opdkit.train``) strings
 micro-batches and calls ``backward`` itself, chunk by chunk over positions: the student's final
 hidden states are computed once with grad, then each chunk's logits -> loss -> backward runs on a
 detached copy, and the accumulated hidden-state gradient is pushed through the decoder at the
-end. Only one chunk of (B, C, V) logits exists at a time, for any loss.
+end. Only one chunk of (B, C, V) logits exists at a time, for any loss; on a sharded student the
+number of chunks changes no collective (see ``micro_losses``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from opdkit.config import Config
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.sampling import policy_logits, sample_seed
 from opdkit.engines.select import engine_name
-from opdkit.teacher import (AlignmentError, Geometry, build_geometry, check_alignment, completion_hidden,
-                            token_logprobs, topk_logprobs, unwrap)
+from opdkit.sharding import check_same_on_ranks, deferred_grad_sync, layers_gathered
+from opdkit.teacher import (AlignmentError, Geometry, build_geometry, build_right_padded_geometry, check_alignment,
+                            completion_hidden, token_logprobs, topk_logprobs, unwrap)
+
+GEOMETRIES = {"left": build_geometry, "right": build_right_padded_geometry}  # data.pad_side
 
 
 @dataclass
@@ -32,6 +36,7 @@ class Batch:
     rollout: Rollout
     teacher_prompt_ids_B_Sp: torch.Tensor  # = the rollout's prompts, or privileged prompts
     teacher_prompt_mask_B_Sp: torch.Tensor
+    pad_side: str = "left"  # data.pad_side: how the scored sequences are laid out (GEOMETRIES)
     reward_adv_B: torch.Tensor | None = None  # loss.reward_weight: each row's group-centred reward A_b (opdkit.rewards)
     teacher_B: torch.Tensor | None = None  # several teachers: each row's index into cfg.teachers (opdkit.teachers)
 
@@ -57,14 +62,27 @@ def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_
 
 def teacher_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
     ro = batch.rollout
-    return build_geometry(batch.teacher_prompt_ids_B_Sp[rows], batch.teacher_prompt_mask_B_Sp[rows],
-                          ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
+    return GEOMETRIES[batch.pad_side](batch.teacher_prompt_ids_B_Sp[rows], batch.teacher_prompt_mask_B_Sp[rows],
+                                      ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
 
 
 def student_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
     ro = batch.rollout
-    return build_geometry(ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows],
-                          ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
+    return GEOMETRIES[batch.pad_side](ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows],
+                                      ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
+
+
+def pad_offsets(batch: Batch) -> dict:
+    """With ``data.pad_side=right``: how far each completion sits from where it was sampled, k_b =
+    prompt width - real prompt tokens, per side (``pad_offset_{student,teacher}_mean`` / ``_max``;
+    the OPSD log measured a mean of 292 on the teacher side). Empty for left padding (no offset)."""
+    if batch.pad_side == "left":
+        return {}
+    out = {}
+    for side, mask_B_Sp in (("student", batch.rollout.prompt_mask_B_Sp), ("teacher", batch.teacher_prompt_mask_B_Sp)):
+        k_B = (mask_B_Sp.shape[1] - mask_B_Sp.long().sum(dim=1)).float()
+        out[f"pad_offset_{side}_mean"], out[f"pad_offset_{side}_max"] = float(k_B.mean()), float(k_B.max())
+    return out
 
 
 def check_precision(cfg: Config, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -102,6 +120,15 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
     autocast, on a batch sampled by ``student``.
     """
     ro = batch.rollout
+    if batch.pad_side == "right":
+        k = pad_offsets(batch)
+        raise AlignmentError(
+            "alignment check failed on the first batch: data.pad_side=right scores every completion after its row's "
+            f"prompt pads, which consume positions: offsets of {k['pad_offset_student_mean']:.1f} (max "
+            f"{k['pad_offset_student_max']:.0f}) positions on the student's side and {k['pad_offset_teacher_mean']:.1f} "
+            f"(max {k['pad_offset_teacher_max']:.0f}) on the teacher's. To train with the released OPSD layout on "
+            "purpose, set runtime.alignment_check=false (recipes/opsd_released.yaml does; train.jsonl then records "
+            "the offsets as pad_offset_*); data.pad_side=left scores the tokens where they were sampled")
     out = check_alignment(student_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T, ro.prompt_mask_B_Sp)
     out.update(check_alignment(teacher_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
                                batch.teacher_prompt_mask_B_Sp))
@@ -120,7 +147,7 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
             logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, cfg.runtime.logprob_chunk, temperature,
                                       top_p)
         inside_N = logp_B_T[m_B_T] != float("-inf")  # N masked-in tokens; NaN counts as inside (and fails below)
-        d_N = (logp_B_T[m_B_T] - ro.sampling_logp_B_T[m_B_T])[inside_N].abs()
+        d_N = (logp_B_T[m_B_T] - _recorded(ro)[m_B_T])[inside_N].abs()
         d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
         outside = float((~inside_N).float().mean()) if inside_N.numel() else 0.0
         out[f"{key}_max_abs_dlogp"], out[f"{key}_mean_abs_dlogp"] = d_max, d_mean
@@ -150,6 +177,14 @@ def _combine(parts: list[dict]) -> dict:
     return out
 
 
+def _recorded(ro: Rollout) -> torch.Tensor:
+    """The rollout's sampling-time log-probs; an engine asked for none (``logprobs=False``) has none."""
+    if ro.sampling_logp_B_T is None:
+        raise ValueError("this rollout was drawn without its sampling log-probs (sample(..., logprobs=False)), but "
+                         "the loss or check reads them: draw it with logprobs=True")
+    return ro.sampling_logp_B_T
+
+
 def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: Batch, rows: slice, n_tokens: float):
     """Loss and metrics of positions ``sl`` of micro-batch ``rows``: the loss's declared inputs
     (``opdkit.loss_table``) made for this chunk, then its function (with several teachers, once per
@@ -167,7 +202,7 @@ def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: Batch, rows: s
 
     make = {
         "logp_B_T": lambda: logits_B_C_V.log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0],
-        "old_logp_B_T": lambda: ro.sampling_logp_B_T[rows, sl],
+        "old_logp_B_T": lambda: _recorded(ro)[rows, sl],
         "teacher_logp_B_T": lambda: t_ctx["logp_B_T"][:, sl],
         "logits_B_T_V": lambda: logits_B_C_V,
         "teacher_logp_B_T_V": teacher_full_B_C_V,
@@ -233,12 +268,16 @@ def _add_reward(cfg: Config, spec, loss, m: dict, make: dict, reward_B_C, t_ctx,
 @torch.no_grad()
 def teacher_context(cfg: Config, teacher, batch: Batch, rows: slice, teacher_ctx_manager=contextlib.nullcontext) -> dict | None:
     """What the loss needs from the teacher for micro-batch ``rows`` (``loss_table.teacher_need``;
-    None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full). A
-    teacher on another device (``teacher.device``) scores there; its outputs come to the batch's."""
-    need = loss_table.teacher_need(cfg.loss)
+    None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full). For
+    ``recorded`` (sft on samples the teacher drew at temperature 1, top-p 1) the log-probs are the
+    ones the rollout recorded, with no teacher pass. A teacher on another device (``teacher.device``)
+    scores there; its outputs come to the batch's."""
+    need = loss_table.teacher_need(cfg.loss, cfg.rollout)
     if need == "none":
         return None
     ro = batch.rollout
+    if need == "recorded":
+        return {"logp_B_T": ro.sampling_logp_B_T[rows]}
     t_dev = teachers.device_of(teacher)
     with teacher_ctx_manager():
         _, head = unwrap(teacher)
@@ -269,17 +308,24 @@ def score_batch(cfg: Config, teacher, batch: Batch, autocast, teacher_ctx_manage
 
 @torch.no_grad()
 def score_rows(cfg: Config, teacher, batch: Batch, row_sets: list, teacher_ctx_manager=contextlib.nullcontext) -> list:
-    """``teacher_context`` of each of ``row_sets`` (slices or index tensors of the batch's rows)."""
-    if loss_table.teacher_need(cfg.loss) == "none":
+    """``teacher_context`` of each of ``row_sets`` (slices or index tensors of the batch's rows). A
+    sharded teacher scoring row by row (``runtime.unpadded_rows``) gathers each layer once per row
+    set, not once per row."""
+    if loss_table.teacher_need(cfg.loss, cfg.rollout) == "none":
         return [None] * len(row_sets)
     if isinstance(teacher, teachers.TeacherSet):
         subsets = teachers.split_rows(batch, row_sets, len(teacher.members))
         per_teacher = {i: score_rows(cfg, member, batch, [idx for idx in sub if idx.numel()], teacher_ctx_manager)
                        for i, (member, sub) in enumerate(zip(teacher.members, subsets))}
         return teachers.merge(batch, row_sets, per_teacher)
-    if isinstance(teacher, torch.nn.Module):
-        return [teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager) for rows in row_sets]
-    return teacher.score(cfg, batch, row_sets)
+    if not isinstance(teacher, torch.nn.Module):
+        return teacher.score(cfg, batch, row_sets)
+    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
+    out = []
+    for rows in row_sets:
+        with gather_once(teacher):
+            out.append(teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager))
+    return out
 
 
 def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n_tokens: float | None = None) -> dict:
@@ -289,24 +335,40 @@ def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n
     ``student``'s parameters; the loss is the token mean over the whole step (every micro-batch
     divides by the step's token count). ``n_tokens`` overrides that count: a rank of a sharded run
     holds part of the step and passes the global count / world size (FSDP averages over ranks).
+
+    Per micro-batch: the decoder's forward with grad (row by row with ``runtime.unpadded_rows``),
+    then each position chunk's head -> loss -> backward on a detached copy of the hidden states,
+    then one backward through the decoder with the accumulated hidden-state gradient. On a sharded
+    student that structure issues the same collectives on every rank, whatever its completion
+    lengths: the chunk backwards run under ``deferred_grad_sync`` (the head's gradient accumulates
+    where the root is gathered; no collective, however many chunks a rank's T makes), and the
+    decoder's backward reduce-scatters every gradient, the head's included, once; row by row, each
+    layer is gathered once for all rows (``layers_gathered``). Per micro-batch that is one
+    all-gather of the root, two of each layer (forward, backward) and one reduce-scatter of each
+    unit with trainable parameters.
     """
     ro = batch.rollout
     n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
     chunk = cfg.runtime.logprob_chunk
+    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
     parts, total = [], 0.0
     _, s_head = unwrap(student)
-    for rows, t_ctx in zip(micro_slices(cfg, batch), contexts):
-        with autocast():
+    slices = micro_slices(cfg, batch)
+    check_same_on_ranks(student, len(slices), "micro-batches")
+    for rows, t_ctx in zip(slices, contexts):
+        with autocast(), gather_once(student):
             h_B_T_H = completion_hidden(student, student_geometry(batch, rows), cfg.runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
-        for s in range(0, h_leaf.shape[1], chunk):
-            sl = slice(s, s + chunk)
-            with autocast():
-                loss, m = _chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, batch, rows, n_tokens)
-            loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
-            total += float(loss.detach())
-            parts.append(m)
-        h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch
+        with deferred_grad_sync(student):
+            for s in range(0, h_leaf.shape[1], chunk):
+                sl = slice(s, s + chunk)
+                with autocast():
+                    loss, m = _chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, batch, rows, n_tokens)
+                loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
+                total += float(loss.detach())
+                parts.append(m)
+        with gather_once(student):
+            h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch: gradients reduced here
     out = _combine(parts)
     out["loss"] = total
     return out

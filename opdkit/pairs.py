@@ -32,14 +32,14 @@ import torch
 
 from opdkit import loss_table, paths
 from opdkit.config import Config
-from opdkit.data import DataError, Example, fingerprint, load_examples
+from opdkit.data import TEACHER_REFERENCES, DataError, Example, fingerprint, load_examples
 from opdkit.engines.base import pad_and_eos
 from opdkit.models import ModelError, check_model_dir, config_rows, load_tokenizer, model_rows, tokenizer_ids
 from opdkit.teacher import restrict_vocab
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 # generation_config.json keys that change what generate() / vLLM's defaults sample, with their neutral values.
-# opdkit's engines apply none of them (engines.hf.sampling_config sets every one to its neutral value).
+# opdkit's engines apply none of them (engines.hf.decode reads no generation config).
 SAMPLING_CHANGERS: dict[str, tuple] = {
     "repetition_penalty": (None, 1, 1.0), "encoder_repetition_penalty": (None, 1, 1.0),
     "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0),
@@ -137,8 +137,8 @@ def check_inputs(cfg: Config, strict: bool) -> tuple[Inputs | None, list[Finding
         c.findings.append(Finding("teacher model", OK, f"teacher.source={src}: the student, given the "
                                   "reference solution in its prompt, is its own teacher (no teacher model)"))
     train_path = paths.train_data_path(cfg)
-    examples = c.run("data", training_data, cfg, train_path)
-    s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")
+    s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")  # before the data: the length filters count its tokens
+    examples = c.run("data", training_data, cfg, train_path, s_tok)
     t_toks = {role: c.run(f"{role} tokenizer", tokenizer_of, d, f"{role} model") for role, d in t_dirs.items()}
     for role in t_dirs or [None]:  # each teacher against the student (one teacher: the checks' plain names)
         t_dir, t_tok = t_dirs.get(role), t_toks.get(role)
@@ -193,9 +193,16 @@ def model_dir(path: Path, what: str, weights: bool = True):
     return p, [Finding(what, OK, f"{p} ({arch})")]
 
 
-def training_data(cfg: Config, path: Path):
-    need_solution = cfg.teacher.source.startswith("privileged") or loss_table.samples_from(cfg.loss) == "reference"
-    examples = load_examples(path, cfg.data, require_solution=need_solution,
+def required_references(cfg: Config) -> tuple[str, ...]:
+    """The references every training row needs: a privileged teacher's context, sft's solutions."""
+    need = TEACHER_REFERENCES[cfg.data.teacher_context] if cfg.teacher.source.startswith("privileged") else ()
+    if loss_table.samples_from(cfg.loss) == "reference" and "solution" not in need:
+        need += ("solution",)
+    return need
+
+
+def training_data(cfg: Config, path: Path, tokenizer=None):
+    examples = load_examples(path, cfg.data, require=required_references(cfg), tokenizer=tokenizer,
                              teachers=tuple(t.name for t in cfg.teachers) if cfg.teachers else None)
     n_chat = sum(not isinstance(ex.prompt, str) for ex in examples)
     shape = ("chat messages" if n_chat == len(examples) else "plain-text prompts" if not n_chat

@@ -15,10 +15,17 @@ and arms from params.yaml, so a recipe's would be ignored there).
 
 ``opdkit.config.load_config`` reads a params file as it is, without its recipe: for a resolved
 config (a run's ``config.yaml``), whose ``recipe`` key only records what was applied.
+
+``OPSD_SWITCHES``: the OPSD log's environment switches (seed 004, "Code switches") as params
+overrides; run.sh applies the ones set in its environment (``python -m opdkit.recipes opsd-env``
+prints them) after the recipe, and refuses a value or an ``OPSD_*`` variable it does not know.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from opdkit.config import Config, ConfigError, config_from_dict, parse_override, read_yaml_mapping as _read_yaml
@@ -93,3 +100,76 @@ def load_config(params: str | Path | None, recipe: str | Path | None = None,
         return config_from_dict(raw, rest)
     except ConfigError as e:
         raise ConfigError(f"{e} (params {params}, recipe {path})") from None
+
+
+# --- the OPSD log's environment switches ---------------------------------------------------------------
+
+def _selection(**keys: str) -> tuple[str, ...]:
+    """``data.filters`` overrides: ``keys`` (as YAML text), every other filter at "no selection"."""
+    none = {"answer_regex": "", "exclude_sources": "[]", "reference": "solution", "min_reference_tokens": "0",
+            "top_reference_fraction": "1.0"}
+    return tuple(f"data.filters.{k}={v}" for k, v in {**none, **keys}.items())
+
+
+# variable -> {value: the params overrides it means}; the first value is the released behaviour (what
+# recipes/opsd_released.yaml holds, so an unset variable changes nothing there)
+OPSD_SWITCHES: dict[str, dict[str, tuple[str, ...]]] = {
+    # right: the released collator's [prompt][pads][completion] (the first-batch check refuses it, so it is off)
+    "OPSD_PAD_SIDE": {"right": ("data.pad_side=right", "runtime.alignment_check=false"),
+                      "left": ("data.pad_side=left", "runtime.alignment_check=true")},
+    # paper: the released collator's student message; eval: byte-identical to the benchmark's prompt
+    "OPSD_STUDENT_PROMPT": {"paper": ("data.prompt_format=opsd_student",), "eval": ("data.prompt_format=opsd_eval",)},
+    "OPSD_TEACHER_CONTEXT": {v: (f"data.teacher_context={v}",) for v in ("solution", "cot", "both")},
+    # entry: min(p_T log(p_T/p_S), tau) per vocabulary entry; token: a direction-preserving cap per token
+    "OPSD_CLIP_MODE": {v: (f"loss.clip={v}",) for v in ("entry", "token")},
+    # hard: answers fully matching -?\d{1,6} with a COT_Reason trace of >= 2,000 tokens (29,434 -> 9,775 rows);
+    # nomath: source=math dropped, the upper half by trace length kept (29,434 -> 12,048 rows)
+    "OPSD_DATA_SELECT": {"none": _selection(),
+                         "hard": _selection(answer_regex="'-?\\d{1,6}'", reference="cot", min_reference_tokens="2000"),
+                         "nomath": _selection(exclude_sources="[math]", reference="cot", top_reference_fraction="0.5")},
+    # tail weight averaging: the seed shipped it off and never ran it; opdkit does not implement it
+    "OPSD_WAVG_LAST": {"0": ()},
+}
+
+
+def opsd_overrides(environ: Mapping[str, str]) -> list[str]:
+    """The params overrides of the ``OPSD_*`` variables set (non-empty) in ``environ``, in table order.
+    ``ConfigError`` (one line) for an unknown variable or value, and for ``OPSD_WAVG_LAST`` other than 0."""
+    unknown = sorted(k for k in environ if k.startswith("OPSD_") and k not in OPSD_SWITCHES)
+    if unknown:
+        raise ConfigError(f"unknown OPSD switch {unknown[0]}; the known ones: {', '.join(OPSD_SWITCHES)}")
+    out: list[str] = []
+    for name, values in OPSD_SWITCHES.items():
+        value = environ.get(name, "").strip()
+        if not value:
+            continue
+        if name == "OPSD_WAVG_LAST" and value.isdigit() and int(value) == 0:
+            continue
+        if name == "OPSD_WAVG_LAST":
+            raise ConfigError(f"OPSD_WAVG_LAST={value}: tail weight averaging is not implemented in opdkit (the seed "
+                              "shipped it off, default 0, and never ran it); unset it or set 0")
+        if value not in values:
+            raise ConfigError(f"{name}={value}: expected one of {', '.join(values)} (the first is the released behaviour)")
+        out += values[value]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m opdkit.recipes opsd-env``: print the overrides of this environment's OPSD_* switches,
+    one per line (exit 2 and one line on stderr for a bad one)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv != ["opsd-env"]:
+        print("usage: python -m opdkit.recipes opsd-env", file=sys.stderr)
+        return 2
+    try:
+        overrides = opsd_overrides(os.environ)
+    except ConfigError as e:
+        print(f"run.sh: error: {e}", file=sys.stderr)
+        return 2
+    for o in overrides:
+        print(o)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

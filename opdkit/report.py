@@ -10,6 +10,13 @@ the mean and se of the per-seed differences, ``p_value`` of the paired t-test, d
 ``diff_in_baseline_se`` = diff / the baseline's own se. The statistics are ``opdkit.stats``'s; this
 module only gathers the inputs and shapes the output.
 
+Training seconds: an eval of a checkpoint that ``opdkit train`` published (its ``model`` holds an
+``opdkit.json``) carries the run's ``train_s``, its wall clock at that step (start-up included) as
+measured on the machine that ran it; each group has their mean (``train_s``) and, against the
+baseline, ``train_s_ratio``. An arm matched to the baseline by wall clock (``match: wall``) whose
+ratio is off by more than ``WALL_MATCH_TOL`` is listed in ``wall_mismatch`` (its step budget was
+calibrated elsewhere or under other load: recalibrate on this machine, README).
+
 An eval JSON is the ``opdkit eval`` output (DESIGN.md): ``accuracy``, ``stderr`` and the tags
 given with ``--tag`` (the pipeline tags ``arm=<arm>``, ``seed=<n>``, ``step=<checkpoint step>`` and
 ``match=steps|wall``). The per-sample records sit beside it with the suffix ``.jsonl``.
@@ -38,6 +45,8 @@ RUN_FIELDS = ("accuracy", "stderr", "n_questions", "n_samples", "truncated_frac"
 TAG_FIELDS = ("step", "match")  # the pipeline's tags of an arm's run, kept per group
 PATTERN_FIELDS = ("{arm}", "{seed}")
 RESERVED_ARMS = ("before", "teacher", "reference")  # the reference evals' tags and folder
+WALL_MATCH_TOL = 0.10  # a wall-matched arm's training seconds may differ from the baseline's by this share
+CHECKPOINT_META = "opdkit.json"  # a published checkpoint's record (opdkit.checkpoints.MANIFEST): step, elapsed_s
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ def pipeline_arms(cfg: Config) -> list[Arm]:
     arms = [Arm(name, (f"loss.name={name}",), cfg.budget.max_steps,
                 "baseline" if name == cfg.pipeline.baseline_arm else "steps") for name in opd]
     arms += [Arm(c.name, ("loss.name=sft", f"loss.sft_source={c.sft_source}", "teacher.source=model",
-                          f"budget.max_steps={c.steps}", f"publish.every_steps={c.every_steps}"), c.steps, c.match)
+                          "data.pad_side=left", f"budget.max_steps={c.steps}", f"publish.every_steps={c.every_steps}"), c.steps, c.match)
              for c in cfg.pipeline.controls]
     names = [a.name for a in arms]
     clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(RESERVED_ARMS)))
@@ -122,8 +131,19 @@ def _seed(value):
     return value
 
 
+def train_seconds(eval_json: dict) -> float | None:
+    """The training seconds of the checkpoint an eval JSON evaluated (``elapsed_s`` of its
+    ``opdkit.json``), or None when its ``model`` is not a checkpoint of ``opdkit train`` (here)."""
+    meta = Path(str(eval_json.get("model", ""))) / CHECKPOINT_META
+    if not eval_json.get("model") or not meta.is_file():
+        return None
+    elapsed = json.loads(meta.read_text()).get("elapsed_s")
+    return float(elapsed) if isinstance(elapsed, (int, float)) else None
+
+
 def load_evals(paths: list[str | Path], group_key: str = "arm") -> list[dict]:
-    """One record per eval JSON: ``file``, ``group_key``, ``seed`` and ``RUN_FIELDS``.
+    """One record per eval JSON: ``file``, ``group_key``, ``seed``, ``RUN_FIELDS`` and, for a
+    checkpoint of ``opdkit train``, ``train_s`` (``train_seconds``).
 
     Raises ``ValueError`` naming the file when a JSON lacks ``accuracy``/``stderr`` or the group
     tag (evaluate with ``opdkit eval --tag arm=NAME --tag seed=N``). A missing ``seed`` is 0.
@@ -138,6 +158,9 @@ def load_evals(paths: list[str | Path], group_key: str = "arm") -> list[dict]:
         rec = {"file": str(p), group_key: raw[group_key], "seed": _seed(raw.get("seed", 0))}
         rec.update({k: raw[k] for k in RUN_FIELDS if k in raw})
         rec.update({k: _seed(raw[k]) for k in TAG_FIELDS if k in raw})
+        secs = train_seconds(raw)
+        if secs is not None:
+            rec["train_s"] = secs
         records.append(rec)
     return records
 
@@ -180,7 +203,10 @@ def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm
     groups = summarize_runs(runs, group_key=group_key)
     for name, g in groups.items():
         mine = [r for r in runs if r[group_key] == name]
-        g.update(steps=_tag(mine, "step"), match="baseline" if name == baseline else _tag(mine, "match"))
+        secs = [r["train_s"] for r in mine if "train_s" in r]
+        g.update(steps=_tag(mine, "step"), match="baseline" if name == baseline else _tag(mine, "match"),
+                 train_s=float(np.mean(secs)) if secs else None)
+    wall_mismatch = _wall_mismatch(groups, baseline)
     comparisons, skipped = {}, {}
     if baseline is not None:
         if baseline not in groups:
@@ -204,7 +230,23 @@ def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm
                 "paired": paired, "match": groups[name]["match"], "steps": groups[name]["steps"],
             }
     return _finite({"group_key": group_key, "baseline": baseline, "runs": runs, "groups": groups,
-                    "comparisons": comparisons, "not_compared": skipped})
+                    "comparisons": comparisons, "not_compared": skipped, "wall_mismatch": wall_mismatch})
+
+
+def _wall_mismatch(groups: dict, baseline: str | None) -> dict:
+    """Sets each group's ``train_s_ratio`` (its mean training seconds / the baseline's); returns
+    ``{arm: message}`` for each ``match: wall`` arm whose ratio is off by more than ``WALL_MATCH_TOL``."""
+    base_s = groups[baseline]["train_s"] if baseline in groups else None
+    out = {}
+    for name, g in groups.items():
+        g["train_s_ratio"] = g["train_s"] / base_s if g["train_s"] is not None and base_s else None
+        if name != baseline and g["match"] == "wall" and g["train_s_ratio"] is not None \
+                and abs(g["train_s_ratio"] - 1) > WALL_MATCH_TOL:
+            out[name] = (f"{name} is matched to {baseline} by wall clock but trained {g['train_s']:.0f} s against "
+                         f"{base_s:.0f} s (x{g['train_s_ratio']:.2f}, more than {WALL_MATCH_TOL:.0%} off) on the "
+                         "machine that ran them: recalibrate its steps there (python -m opdkit.stages.calibrate, "
+                         "README) or compare it at matched steps")
+    return out
 
 
 def _num(x, fmt: str) -> str:
@@ -212,22 +254,25 @@ def _num(x, fmt: str) -> str:
 
 
 def format_report(result: dict) -> str:
-    """The report as a text table: per group steps, match, mean +- se over n seeds, and against the
-    baseline the difference, Welch's diff/se and p, and the seed-paired diff/se and p."""
-    head = f"{'arm':<16} {'steps':>6} {'match':<8} {'mean +- se (n)':<22} {'diff':>8} {'Welch SE':>9} {'p':>7} " \
-           f"{'paired SE':>9} {'p':>7}"
+    """The report as a text table: per group steps, training seconds (mean over seeds), match, mean
+    +- se over n seeds, and against the baseline the difference, Welch's diff/se and p, and the
+    seed-paired diff/se and p; then a line per wall-matched arm whose training seconds are off."""
+    head = f"{'arm':<16} {'steps':>6} {'train_s':>7} {'match':<8} {'mean +- se (n)':<22} {'diff':>8} " \
+           f"{'Welch SE':>9} {'p':>7} {'paired SE':>9} {'p':>7}"
     lines = [head, "-" * len(head)]
     for name, g in result["groups"].items():
         cell = f"{g['mean']:.4f} +- {_num(g['se'], '.4f')} ({g['n']})"
-        line = f"{str(name):<16} {str(g.get('steps') or ''):>6} {str(g.get('match') or ''):<8} {cell:<22}"
+        secs = _num(g.get("train_s"), ".0f") if g.get("train_s") is not None else ""
+        line = f"{str(name):<16} {str(g.get('steps') or ''):>6} {secs:>7} {str(g.get('match') or ''):<8} {cell:<22}"
         c = result["comparisons"].get(name)
         if c is not None:
             pr = c["paired"] or {}
             line += (f" {c['diff']:+8.4f} {_num(c['diff_in_se'], '+9.2f')} {_num(c['p_value'], '7.3f')} "
                      f"{_num(pr.get('diff_in_se'), '+9.2f')} {_num(pr.get('p_value'), '7.3f')}")
         lines.append(line)
-    lines.append(f"(diff = arm - {result['baseline']}; SE columns: diff / its standard error; mean eval stderr per "
-                 "group in the JSON)")
+    lines.append(f"(diff = arm - {result['baseline']}; SE columns: diff / its standard error; train_s: training "
+                 "seconds to the evaluated checkpoint on the machine that ran it; mean eval stderr per group in the JSON)")
+    lines += [f"WARNING: {msg}" for msg in result.get("wall_mismatch", {}).values()]
     return "\n".join(lines)
 
 

@@ -134,11 +134,28 @@ def step_metrics(r_B: torch.Tensor, G: int) -> dict:
     return {"reward_sum": float(r_B.sum()), "samples": r_B.numel(), "tied": int(tied.sum()), "groups": r_P_G.shape[0]}
 
 
-def finish_metrics(reward_sum: float, samples: int, tied: int, groups: int, m: dict) -> dict:
-    """train.jsonl's reward keys: ``reward_mean`` (mean 0/1 reward of the step's completions),
-    ``reward_tied_frac`` (share of prompts whose samples all scored alike), and ``reward_share``:
-    mean |λ A| over the mean |λ A| + |log p_T - log p_S| per token, the reward's share of the per-token
-    advantage (for k1 exactly its advantage; for the other losses the k1 signal the teacher gives)."""
+def attach(cfg, batch, tokenizer, examples: list[Example], world, where: str = "the training data") -> tuple | None:
+    """The training loop's step: with ``loss.reward_weight`` set, grade the batch's completions, put
+    their advantages on ``batch.reward_adv_B`` (``step_rewards``) and return ``step_metrics``' sums
+    over the ranks (``world.sum``), for ``finish_metrics``; None (nothing graded) at λ = 0."""
+    if not cfg.loss.reward_weight:
+        return None
+    batch.reward_adv_B, r_B = step_rewards(cfg, tokenizer, batch.rollout, examples, where)
+    return world.sum(*step_metrics(r_B, cfg.rollout.samples_per_prompt).values())
+
+
+def finish_metrics(sums: tuple | None, m: dict) -> dict:
+    """The step's metrics ``m`` with train.jsonl's reward keys from ``attach``'s ``sums`` (None: ``m``
+    as it is): ``reward_mean`` (mean 0/1 reward of the step's completions), ``reward_tied_frac``
+    (share of prompts whose samples all scored alike), and ``reward_share``: mean |λ A| over the mean
+    |λ A| + |log p_T - log p_S| per token, the reward's share of the per-token advantage (for k1
+    exactly its advantage; for the other losses the k1 signal the teacher gives). The per-token
+    means it is made of (``reward_adv_abs``, ``teacher_adv_abs``) are not kept."""
+    if sums is None:
+        return m
+    reward_sum, samples, tied, groups = sums
+    out = {k: v for k, v in m.items() if k not in ("reward_adv_abs", "teacher_adv_abs")}
     r, t = m.get("reward_adv_abs"), m.get("teacher_adv_abs")
     share = r / (r + t) if r is not None and t is not None and r + t > 0 else 0.0
-    return {"reward_mean": reward_sum / max(1, samples), "reward_tied_frac": tied / max(1, groups), "reward_share": share}
+    return out | {"reward_mean": reward_sum / max(1, samples), "reward_tied_frac": tied / max(1, groups),
+                  "reward_share": share}

@@ -46,8 +46,21 @@ def check_params(cfg: Config) -> None:
         raise RunError("rollout.prompts_per_step and rollout.samples_per_prompt must be positive")
     if cfg.publish.keep < 1:
         raise RunError("publish.keep must be at least 1")
+    if cfg.rollout.overlap not in (0, 1):
+        raise RunError(f"rollout.overlap must be 0 (on-policy) or 1 (one-step-off rollouts), got {cfg.rollout.overlap}")
+    if cfg.rollout.overlap and loss_table.samples_from(cfg.loss) != "student":
+        raise RunError("rollout.overlap=1 draws the student's next batch ahead; loss.name=sft does not sample the "
+                       "student: set rollout.overlap=0")
     if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
         raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
+    if cfg.data.pad_side == "right" and cfg.runtime.unpadded_rows:
+        raise RunError("data.pad_side=right scores the padded layout itself (pads between prompt and completion, "
+                       "consuming positions); runtime.unpadded_rows=true would remove those pads: set it to false")
+    if cfg.loss.teacher_temperature != 1.0 and loss_table.spec(cfg.loss.name).teacher != "full":
+        raise RunError(f"loss.teacher_temperature applies to the full-distribution losses (fkl, rkl, jsd); loss.name="
+                       f"{cfg.loss.name} scores sampled tokens: leave loss.teacher_temperature at 1")
+    if not cfg.loss.teacher_temperature > 0:
+        raise RunError(f"loss.teacher_temperature must be > 0, got {cfg.loss.teacher_temperature}")
     for why in (rewards.check_params(cfg), teachers.check_params(cfg), vllm_teacher.check_params(cfg)):
         if why:
             raise RunError(why)

@@ -6,6 +6,10 @@ first real token, for the student and the teacher alike: exactly the positions t
 while sampling with ``generate``. Logits at column ``c`` predict the token at ``c + 1``, so the
 completion's T tokens are predicted by columns ``Sp-1 .. Sp+T-2``.
 
+``build_right_padded_geometry`` is the other layout, for replaying the released OPSD collator
+(``data.pad_side=right``): ``[prompt][pads][completion]``, the pads masked out of attention but
+consuming positions, so every completion token is scored k positions after where it was sampled.
+
 Log-probs over a large vocabulary are computed from final hidden states in chunks of positions,
 under activation checkpointing when gradients are needed, so (B, T, V) fp32 logits never exist
 at once.
@@ -45,6 +49,28 @@ def build_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, comple
     position_ids_B_S = (attention_mask_B_S.cumsum(dim=1) - 1).clamp_min(0)
     return Geometry(input_ids_B_S, attention_mask_B_S, position_ids_B_S,
                     prompt_ids_B_Sp.shape[1], completion_ids_B_T.shape[1])
+
+
+def build_right_padded_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, completion_mask_B_T) -> Geometry:
+    """The released OPSD collator's layout (``data.pad_side=right``), from left-padded prompts.
+
+    Row b, with n_b real prompt tokens and k_b = Sp - n_b pads: ``[prompt (n_b)][pads (k_b)][completion]``.
+    The pads are masked out of attention but every column keeps its index as position id
+    (``arange(S)``, as a model called without ``position_ids`` numbers them), so completion token t
+    sits at position Sp + t instead of n_b + t, where it was sampled: an offset of k_b. Completion
+    token 0 is predicted by column Sp - 1, a pad wherever k_b > 0 (the released code slices the
+    logits at the batch's prompt width). Same fields as ``build_geometry``; k_b = 0 rows match it.
+    """
+    B, Sp = prompt_ids_B_Sp.shape
+    # each row's real tokens to the front: column j of the new row is column (j + k_b) mod Sp of the old
+    k_B = Sp - prompt_mask_B_Sp.long().sum(dim=1)
+    cols_B_Sp = (torch.arange(Sp, device=prompt_ids_B_Sp.device)[None, :] + k_B[:, None]) % Sp
+    ids_B_Sp = prompt_ids_B_Sp.gather(1, cols_B_Sp)
+    mask_B_Sp = prompt_mask_B_Sp.long().gather(1, cols_B_Sp)
+    input_ids_B_S = torch.cat([ids_B_Sp, completion_ids_B_T], dim=1)
+    attention_mask_B_S = torch.cat([mask_B_Sp, completion_mask_B_T.long()], dim=1)
+    position_ids_B_S = torch.arange(input_ids_B_S.shape[1], device=input_ids_B_S.device)[None, :].expand(B, -1)
+    return Geometry(input_ids_B_S, attention_mask_B_S, position_ids_B_S, Sp, completion_ids_B_T.shape[1])
 
 
 class SharedVocabHead(torch.nn.Module):

@@ -5,10 +5,14 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
     config.yaml                       the resolved params of the latest start
     checkpoints/checkpoint-<step>/    complete HF exports, published atomically (newest publish.keep)
     metrics/train.jsonl               one JSON object per step
-    state/trainer_state.pt            what resume needs (weights or adapter, optimizer, step, data
-                                      position, RNG, elapsed wall time); written atomically
+    dvclive/ or tensorboard/          the same steps through the ``tracking`` logger (``opdkit.tracking``)
+    state/trainer_state-<step>/       what resume needs (weights or adapter, optimizer, step, data
+                                      position, RNG, elapsed wall time); streamed, atomic
+                                      (``opdkit.trainer_state``; in runtime.state_dir instead when
+                                      it is set: run.sh's CKPT_DIR, with a lock of its own)
     run.json                          the latest start: running / completed / stopped (by a signal) /
-                                      failed (+ reason, step; ``nonfinite`` / ``out_of_memory``)
+                                      failed (+ reason, step; ``nonfinite`` / ``out_of_memory`` /
+                                      ``collective_failure``)
     .opdkit.lock                      held while a run writes here (a second run fails at once)
 
 Every input is validated before anything in the directory is created or changed. The trainer
@@ -42,7 +46,6 @@ and (when the wall budget is not spent) its checkpoint saved.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
@@ -56,24 +59,22 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd, rewards, teachers
+from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, rewards, teachers, tracking, trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
-from opdkit.fsutil import (OutputLock, atomic_write_bytes, atomic_write_json, atomic_write_text,
-                           explain_storage_errors, retry_io)
+from opdkit.fsutil import OutputLock, atomic_write_json, atomic_write_text
 from opdkit.publish import Publisher
 from opdkit.weights_io import export_dtype, parse_size
 from opdkit.engines.base import left_pad
 from opdkit.engines.select import make_engine
 from opdkit.schedules import lr_at, wallclock_clock
-from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, load_trainable_state, prepare_inputs, update_ema
+from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs, update_ema
 
-STATE_FILE = "state/trainer_state.pt"
 METRICS_FILE = "metrics/train.jsonl"
 RUN_FILE = "run.json"
 # Params sections that may change between the starts of one run; any other change would splice
 # two different runs together. Paths may change too (files move), the data fingerprint may not.
-RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded")
+RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded", "tracking")
 PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
 LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
 # where the teacher runs, not what it is: a resumed run may move it (another GPU, another server address)
@@ -89,8 +90,11 @@ class TrainResult:
     checkpoints: list[str]
 
 
-def prompt_indices(seed: int, n_rows: int, start: int, count: int) -> list[int]:
-    """Rows ``start .. start+count-1`` of the data stream: a fresh seeded shuffle per epoch."""
+def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = "shuffled") -> list[int]:
+    """Rows ``start .. start+count-1`` of the data stream: a fresh seeded shuffle per epoch
+    (``data.order=shuffled``), or the table's order, epoch after epoch (``stored``)."""
+    if order == "stored":
+        return [pos % n_rows for pos in range(start, start + count)]
     out, perms = [], {}
     for pos in range(start, start + count):
         epoch, i = divmod(pos, n_rows)
@@ -100,42 +104,7 @@ def prompt_indices(seed: int, n_rows: int, start: int, count: int) -> list[int]:
     return out
 
 
-# --- trainer state ----------------------------------------------------------------------------
-
-
-def _save_state(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log) -> None:
-    # every rank: gathering sharded weights is collective; rank 0 writes (one process's layout)
-    model = distributed.trainable_state(run.student)
-    optimizer = distributed.optimizer_state(run.student, run.optimizer)
-    ema = distributed.full_state_dict(run.ema) if run.ema is not None else None
-    if not distributed.current().is_main:
-        return
-    state = {
-        "step": step, "elapsed_s": elapsed, "data_pos": data_pos, "lr_clock_start_s": run.extras["lr_clock_start_s"],
-        "model": model, "optimizer": optimizer, "ema": ema,
-        "rng": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
-        "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint,
-    }  # fmt: skip
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    p, data = run.cfg.publish, buf.getvalue()
-    with explain_storage_errors((out / STATE_FILE).parent, len(data), f"the trainer state at step {step}"):  # not retried
-        (out / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
-        retry_io(lambda: atomic_write_bytes(out / STATE_FILE, data), retries=p.retries, backoff_s=p.backoff_s,
-                 what=f"saving the trainer state at step {step}", log=log)
-
-
-def _load_state(out: Path) -> dict | None:
-    """The saved trainer state (memory-mapped: cheap to peek at), or None for a fresh run."""
-    f = out / STATE_FILE
-    if not f.is_file():
-        return None
-    try:
-        return torch.load(f, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # written atomically, so this is damage from outside, not a crash of ours
-        raise RunError(f"trainer state {f} cannot be read ({type(e).__name__}: {e}); "
-                       "move it away to start this run from scratch, or use another output directory") from None
+# --- the output directory and resuming ---------------------------------------------------------
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -171,12 +140,12 @@ def _check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
     if out.exists() and not out.is_dir():
         raise RunError(f"output directory {out} exists and is not a directory")
-    state = _load_state(out)
+    state = trainer_state.peek(out, cfg.runtime.state_dir)
     if state is not None:
         _check_resumable(cfg, inputs, state, out)
     elif list_checkpoints(out / "checkpoints"):
         names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
-        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({STATE_FILE}) to resume "
+        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume "
                        "them from; choose another output directory or remove the old checkpoints")
 
 
@@ -200,16 +169,6 @@ def _trim_metrics(out: Path, step: int) -> float:
             lost_elapsed = max(lost_elapsed, row.get("elapsed_s") or 0.0)
     atomic_write_text(f, "".join(ln + "\n" for ln in kept))
     return lost_elapsed
-
-
-def _restore(run: Run, state: dict) -> None:
-    load_trainable_state(run.student, state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    if run.ema is not None and state.get("ema"):
-        run.ema.load_state_dict(state["ema"])
-    torch.set_rng_state(state["rng"])
-    if state.get("rng_cuda") is not None and run.device.type == "cuda":
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
 
 
 # --- publishing and stopping ------------------------------------------------------------------
@@ -259,12 +218,13 @@ def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> 
 
 
 def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
-            experiment_name: str) -> TrainResult:
+            experiment_name: str, tracked: dict | None = None) -> TrainResult:
     status = "stopped" if reason.startswith("SIG") else "completed"
     result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
     if not world.is_main:
         return result
-    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name})
+    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name,
+                                       **({"tracking": tracked} if tracked else {})})
     log(f"training {'stopped by ' if status == 'stopped' else 'ended '}({reason}) at step {step} after {elapsed:.1f}s; "
         f"{surviving_checkpoints_message(out / 'checkpoints')}")
     return result
@@ -292,6 +252,7 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     try:
         parse_size(cfg.publish.max_shard_size, "publish.max_shard_size")
         export_dtype(cfg.publish.dtype, inputs.student_path)
+        tracking.resolve(cfg.tracking)
     except ValueError as e:
         raise RunError(str(e)) from None
     if cfg.runtime.max_nonfinite_skips < 0:
@@ -315,12 +276,20 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     at = guards.StepProgress()  # which step and phase runs (for an out-of-memory message)
-    with OutputLock(out) if world.is_main else contextlib.nullcontext():
+    with contextlib.ExitStack() as locks:
+        if world.is_main:
+            locks.enter_context(OutputLock(out))
+            if cfg.runtime.state_dir and Path(cfg.runtime.state_dir).resolve() != out.resolve():  # CKPT_DIR: a lock of its own
+                locks.enter_context(OutputLock(cfg.runtime.state_dir, "trainer state directory"))
         try:
             try:
                 return _train_locked(cfg, inputs, out, log, progress, t_start, world, at)
             except torch.OutOfMemoryError as e:
                 raise guards.out_of_memory(e, at) from e
+            except RuntimeError as e:  # torchrun: a collective timed out (runtime.collective_timeout_s) or lost a rank
+                if not distributed.is_collective_failure(e, world):
+                    raise
+                raise distributed.CollectiveFailure(at.step, at.phase, e, cfg.runtime.collective_timeout_s) from e
         except BaseException as e:
             if not world.is_main:
                 raise
@@ -335,13 +304,13 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
 
 def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
                   world: distributed.World, at: guards.StepProgress) -> TrainResult:
-    state = _load_state(out)  # again, now that no other run can change it
+    state = trainer_state.peek(out, cfg.runtime.state_dir)  # again, now that no other run can change it
     if state is not None:
         _check_resumable(cfg, inputs, state, out)
     step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
     seen = world.gather(step if state is not None else None)  # every rank restores the same state
     if len(set(seen)) > 1:
-        raise RunError(f"the ranks see different trainer states in {out / STATE_FILE} (steps {seen}); with several "
+        raise RunError(f"the ranks see different trainer states in {trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several "
                        "nodes the output directory must be one shared directory")
     lost_elapsed = _trim_metrics(out, step) if world.is_main else 0.0
     elapsed0 = world.from_main(max(state["elapsed_s"], lost_elapsed) if state else 0.0)
@@ -350,7 +319,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size})
     log("resolved config:\n" + dump_yaml(cfg))
     if state is not None:
-        log(f"resuming from {out / STATE_FILE}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
+        log(f"resuming from {state['path']}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
             + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
                if lost_elapsed > state["elapsed_s"] else ""))
         reason = _should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
@@ -365,7 +334,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     run.extras["lr_clock_start_s"] = state.get("lr_clock_start_s", 0.0) if state is not None else None
     run.extras["publish_dtype"] = export_dtype(cfg.publish.dtype, inputs.student_path)
     if state is not None:
-        _restore(run, state)  # unsharded, on every rank
+        trainer_state.restore(run, state)  # unsharded, on every rank
+    pending = state.get("pending_rollout") if state is not None else None
     del state
     if world.active:  # torchrun: shard the student (and teacher) over the ranks
         run = distributed.shard_run(run, world)
@@ -380,8 +350,19 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
                       if loss_table.samples_from(cfg.loss) == "teacher" else None)
-    engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    if R.overlap:  # one-step-off: the next step's batch is drawn while this one trains (opdkit.overlap)
+        engine = overlap.Lookahead(engine, run.autocast, run.device)
+        engine.restore(pending)
+    engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
+    mine = world.share(P)  # this rank's prompts of a step: mine.start .. mine.stop-1 (global sample seeds)
+    reads_logp = loss_table.reads_sampling_logp(cfg.loss, cfg.rollout)  # else recorded for the alignment check only
+
+    def step_batch(step_i: int, pos: int):
+        """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
+        examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order)][mine]
+        return examples, run.prompts(examples), opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=mine.start * G)
+
     pad_id = run.tokenizer.pad_token_id
     horizon = cfg.budget.schedule_steps or cfg.budget.max_steps
     elapsed, last_step_s = elapsed0 + time.monotonic() - t_start, 0.0
@@ -393,8 +374,11 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         _publish(publisher, run, step, elapsed)  # the state's weights were never published: do it now
         published_step = step
     first_step = step  # the alignment check runs on the first batch of every start
+    # DVCLive / TensorBoard beside train.jsonl (rank 0); its history is rebuilt from train.jsonl's kept rows
+    tracker = (tracking.Tracker(tracking.resolve(cfg.tracking), out, out / METRICS_FILE, to_dict(cfg), log)
+               if world.is_main else tracking.Tracker("none"))
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
-    with publisher, metrics_f, bar:
+    with publisher, metrics_f, bar, tracker:
         while True:
             publisher.check()  # a failed background export stops the run here, never silently
             # rank 0's clock for all: the same stop decision and wall-clock learning rate everywhere
@@ -416,33 +400,36 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
 
             # 1. rollout: P prompts x G samples from the student (or the teacher / references for sft);
             # a rank of a sharded run takes prompts mine.start .. mine.stop-1 (global sample seeds)
-            mine = world.share(P)
-            examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), data_pos, P)][mine]
+            examples, prompts, seeds = step_batch(step, data_pos)
             data_pos += P
-            prompts = run.prompts(examples)
+            lag = 0  # updates between the weights that drew the batch and those it trains (rollout.overlap)
+            draw = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
             if loss_table.samples_from(cfg.loss) == "reference":
                 sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
                 rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
             else:
                 sampler = teacher_engine or engine
-                seeds = opd.step_seeds(cfg.seed, step, len(prompts) * G, offset=mine.start * G)
                 with run.autocast():
-                    rollout = sampler.sample(prompts, samples_per_prompt=G, seeds=seeds,
-                                             temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
+                    rollout = sampler.sample(prompts, seeds=seeds, logprobs=reads_logp or step == first_step, **draw)
+                if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
+                    lag = engine.lag
+                    if not _should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s):
+                        _, next_prompts, next_seeds = step_batch(step + 1, data_pos)
+                        engine.prefetch(next_prompts, seeds=next_seeds, logprobs=reads_logp, **draw)
             if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
             else:  # privileged: the teacher's prompt also holds the reference solution
                 priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
-            batch = opd.Batch(rollout, t_ids, t_mask, teacher_B=run.teacher_rows(examples, G))
-            reward = None
-            if cfg.loss.reward_weight:  # OPD plus a verifiable reward: grade every completion (opdkit.rewards)
-                batch.reward_adv_B, r_B = rewards.step_rewards(cfg, run.tokenizer, rollout, examples,
-                                                               f"data file {inputs.train_path}")
-                reward = world.sum(*rewards.step_metrics(r_B, G).values())
+            batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side, teacher_B=run.teacher_rows(examples, G))
+            # OPD plus a verifiable reward: every completion graded against its row's answer (None at λ = 0)
+            reward = rewards.attach(cfg, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}")
             t1 = _clock(run.device)
             align = None
-            if cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
+            if cfg.runtime.alignment_check and step == first_step and lag:
+                log("alignment check skipped: this start's first batch was drawn (rollout.overlap=1) by the weights one "
+                    "update before the restored ones; it ran on the run's first batch")
+            elif cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
                 with run.autocast():  # recomputed as the loss recomputes them; AlignmentError stops the run
                     align = opd.alignment_report(cfg, batch, run.student,
                                                  opd.check_precision(cfg, run.dtype, run.device))
@@ -458,11 +445,9 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
                                               int(rollout.truncated_B.sum()))
             m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+            m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
             m = distributed.reduce_metrics(m, world)
-            if cfg.teachers:
-                m = teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers))
-            if reward is not None:
-                m = m | rewards.finish_metrics(*reward, m)
+            m = rewards.finish_metrics(reward, teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers)))
             trainable = [p for p in run.student.parameters() if p.requires_grad]
             grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
             # loss and norm are global (reduced over ranks): every rank takes the same decision
@@ -485,6 +470,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             t3 = _clock(run.device)
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
+            waited = engine.pop_waited() if R.overlap else 0.0  # waiting for the prefetch (in sync_weights): rollout time
 
             n_tok = int(n_tok)  # whole step, all ranks (times and memory: rank 0's / the largest)
             row = {
@@ -492,24 +478,28 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 "grad_norm": grad_norm, "response_len": n_tok / n_seq,
                 "truncated_frac": n_trunc / n_seq, "tokens": n_tok,
                 "tokens_per_s": n_tok / max(1e-9, last_step_s),
-                "time_rollout_s": t1 - t0, "time_score_s": t2 - t1, "time_update_s": t3 - t2,
+                "time_rollout_s": t1 - t0 + waited, "time_score_s": t2 - t1, "time_update_s": t3 - t2 - waited,
                 "peak_mem_gb": world.max(_peak_memory_gb(run.device))[0],
             }
-            row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss", "reward_adv_abs",
-                                                                                  "teacher_adv_abs")})
+            row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
+            if R.overlap:
+                row["rollout_lag"] = lag
             if align:
                 row["alignment"] = align
             if bad:
                 row["skipped_nonfinite"] = bad
-            metrics_f.write(json.dumps(_finite_row(row)) + "\n")
+            row = _finite_row(row)
+            metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()
+            tracker.log(row)  # DVCLive / TensorBoard (a failure there warns and stops tracking, not the run)
             _reset_peak_memory(run.device)  # the next row's peak: its step, and any publishing before it
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('kl') or 0:.4f}", s=f"{last_step_s:.2f}")
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
                 at.phase = "publish"
                 publisher.wait()  # the previous export must have succeeded before we move the state on
-                _save_state(out, run, step, elapsed, data_pos, log)  # state first: see the module docstring
+                trainer_state.save(out, run, step, elapsed, data_pos, log,  # state first: see the module docstring
+                                   engine.state() if R.overlap else None)
                 _publish(publisher, run, step, elapsed)
                 published_step = step
         # the intended end (also at step 0 when the wall budget is already spent): the final
@@ -519,11 +509,11 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         stopped = reason.startswith("SIG")
         if published_step != step and not (stopped and step == start_step):
             publisher.wait()
-            _save_state(out, run, step, elapsed, data_pos, log)
+            trainer_state.save(out, run, step, elapsed, data_pos, log, engine.state() if R.overlap else None)
             if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
                 log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
                     "(a rerun publishes it)")
             else:
                 _publish(publisher, run, step, elapsed)
         publisher.close()  # raises PublishError if any export failed
-    return _finish(out, reason, step, elapsed, log, world, cfg.experiment_name)
+    return _finish(out, reason, step, elapsed, log, world, cfg.experiment_name, tracker.record)

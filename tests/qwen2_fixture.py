@@ -4,7 +4,10 @@ from it (each a model directory of links to the fixture's files, one file change
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +18,22 @@ SEED = 0
 
 
 def fixture_dir(tmp_path_factory, seed: int = SEED) -> Path:
-    """The fixture under the session's base temp directory (built by the first caller); another
+    """The fixture, built by the first caller of the test session: under the base temp directory that
+    all xdist workers of the session share (one build, not one per worker), under a lock. Another
     ``seed``: the same tokenizer, shapes and data, other random weights."""
-    d = tmp_path_factory.getbasetemp() / ("qwen2-fixture" if seed == SEED else f"qwen2-fixture-seed{seed}")
-    if not (d / "manifest.json").is_file():
-        proc = subprocess.run([sys.executable, "-m", "opdkit", "fixture", "qwen2", "--out", str(d), "--seed", str(seed)],
-                              env=env(), text=True, capture_output=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"wrote the qwen2 fixture to {d}" in proc.stdout
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # .../pytest-N/popen-gwK -> .../pytest-N, the session's
+    name = "qwen2-fixture" if seed == SEED else f"qwen2-fixture-seed{seed}"
+    d = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker that builds it first: wait for it
+        if not (d / "manifest.json").is_file():
+            shutil.rmtree(d, ignore_errors=True)  # a build killed half-way
+            proc = subprocess.run([sys.executable, "-m", "opdkit", "fixture", "qwen2", "--out", str(d), "--seed",
+                                   str(seed)], env=env(), text=True, capture_output=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert f"wrote the qwen2 fixture to {d}" in proc.stdout
     return d
 
 

@@ -39,7 +39,7 @@ def bad(tmp_path_factory) -> Path:
     (d / "no_weights" / "config.json").write_text((asset("student") / "config.json").read_text())
     (d / "table.csv").write_text("prompt,answer\n1+1,2\n")
     (d / "garbage.parquet").write_bytes(b"this is not parquet\n")
-    (d / "no_prompt.jsonl").write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    (d / "no_prompt.jsonl").write_text(json.dumps({"query": "1+1", "answer": "2"}) + "\n")
     (d / "empty.jsonl").write_text("")
     return d
 

@@ -1,15 +1,18 @@
-"""Real data formats (DAPO-Math chat rows, OpenThoughts problem/solution/answer rows) from parquet
-files written here, selection filters, prompt formats and chat templates."""
+"""Real data formats (DAPO-Math chat rows, OpenThoughts problem/solution/answer rows, the public MATH-500 and
+AIME files' shapes) from parquet files written here, selection filters, prompt formats and chat templates."""
 
 import json
+import math
+import random
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from opdkit.config import config_from_dict
-from opdkit.data import (ANSWER_LINE_PREFIX, ANSWER_LINE_SUFFIX, BOXED_INSTRUCTION, DataError, encode_prompt,
-                         format_prompt, is_integer_answer, load_examples, read_table)
+from opdkit.config import ConfigError, config_from_dict
+from opdkit.data import (ANSWER_LINE_PREFIX, ANSWER_LINE_SUFFIX, BOXED_INSTRUCTION, DataError, Example, encode_prompt,
+                         format_prompt, load_examples, read_table, select, token_counter)
 
 DAPO_PROBLEMS = [("What is $3+4$?", "7"), ("Find $x$ if $2x=1$.", "\\frac{1}{2}"), ("How many primes are below 20?", "8")]
 
@@ -77,31 +80,104 @@ def test_dapo_rows(dapo):
     assert format_prompt(exs[1], _data(prompt_format="raw")) == ANSWER_LINE_PREFIX + "Find $x$ if $2x=1$." + ANSWER_LINE_SUFFIX
 
 
-def test_openthoughts_rows_and_filters(openthoughts):
+def test_openthoughts_rows_and_filters(openthoughts, chat_tok):
     exs = load_examples(openthoughts, _data())
     assert [ex.id for ex in exs] == ["a", "b", "c", "d"]
     assert [ex.answer for ex in exs] == ["144", "\\frac{1}{2}", "10", "1,000"]  # missing answers from the last \boxed{}
-    assert [ex.id for ex in load_examples(openthoughts, _data(filters={"integer_answers": True}))] == ["a", "c", "d"]
-    assert [ex.id for ex in load_examples(openthoughts, _data(filters={"min_solution_chars": 20}))] == ["a", "b", "d"]
+    # OPSD's integer answers: the whole (stripped) answer matches -?\d{1,6}; "1,000" does not
+    assert [ex.id for ex in load_examples(openthoughts, _data(filters={"answer_regex": r"-?\d{1,6}"}))] == ["a", "c"]
     assert [ex.id for ex in load_examples(openthoughts, _data(filters={"exclude_sources": ["cn_k12", "amc_aime"]}))] == ["a", "d"]
-    chosen = load_examples(openthoughts, _data(filters={"integer_answers": True, "min_solution_chars": 20,
-                                                         "exclude_sources": ["cn_k12"]}, max_rows=1))
+    # lengths count the student tokenizer's tokens: without it the filter cannot run
+    with pytest.raises(DataError, match="tokenizer"):
+        load_examples(openthoughts, _data(filters={"min_reference_tokens": 3}))
+    counts = {ex.id: len(chat_tok(ex.solution, add_special_tokens=False).input_ids) for ex in exs}
+    cut = sorted(counts.values())[1] + 1  # longer than the two shortest
+    want = [i for i in "abcd" if counts[i] >= cut]
+    assert len(want) == 2
+    assert [ex.id for ex in load_examples(openthoughts, _data(filters={"min_reference_tokens": cut}),
+                                          tokenizer=chat_tok)] == want
+    chosen = load_examples(openthoughts, _data(filters={"answer_regex": r"-?\d{1,6}", "exclude_sources": ["cn_k12"]},
+                                               max_rows=1))
     assert [ex.id for ex in chosen] == ["a"]
     with pytest.raises(DataError, match="all 4 rows were removed"):
         load_examples(openthoughts, _data(filters={"exclude_sources": ["olympiads", "amc_aime", "cn_k12"]}))
 
 
-def test_integer_answers():
-    for a in ["34", "-5", "+7", "1,000", "1{,}000", "$34$", "\\boxed{12}", " 8 "]:
-        assert is_integer_answer(a), a
-    for a in ["3.5", "\\frac{1}{2}", "x=3", "", "2\\sqrt{2}", "34.0"]:
-        assert not is_integer_answer(a), a
+@pytest.mark.parametrize("answer, kept", [
+    ("34", True), ("-5", True), ("0", True), ("999999", True), (" 8 ", True), ("007", True),
+    ("1,000", False), ("+5", False), ("1000000", False), ("3.0", False), ("$34$", False), ("\\boxed{12}", False),
+    ("--5", False), ("5-", False), ("\\frac{1}{2}", False), ("   ", False), ("1 000", False),
+])
+def test_the_integer_answer_regex_is_a_full_match(answer, kept):
+    assert bool(select([Example("0", "p", answer)], _data(filters={"answer_regex": r"-?\d{1,6}"}))) is kept
+
+
+def test_bad_regex_and_fraction_name_the_key():
+    with pytest.raises(ConfigError, match="data.filters.answer_regex"):
+        _data(filters={"answer_regex": "(-?"})
+    with pytest.raises(ConfigError, match="data.filters.top_reference_fraction"):
+        _data(filters={"top_reference_fraction": 0.0})
+
+
+def _synthetic_opsd_table(n: int, seed: int) -> pd.DataFrame:
+    """OpenThoughts-style rows: answers of every kind, a few sources (math among them), traces of random length."""
+    rng = random.Random(seed)
+    answers = ["17", "-42", "123456", "1234567", "1,000", "+5", "3.5", "\\frac{1}{2}", " 88 ", "x=3", "0", "-0"]
+    sources = ["math", "olympiads", "cn_k12", "amc_aime", "synthetic_math"]
+    words = ["the", "integer", "polynomial", "divides", "hence", "x^2", "=", "\\frac{a}{b}", "we", "get", "42", "so"]
+    rows = []
+    for i in range(n):
+        cot = " ".join(rng.choice(words) for _ in range(rng.randint(0, 120)))
+        rows.append({"uuid": f"r{i}", "problem": f"Problem {i}.", "solution": f"Short {i}, \\boxed{{1}}",
+                     "COT_Reason": cot, "answer": rng.choice(answers), "source": rng.choice(sources)})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("select_name", ["hard", "nomath"])
+def test_opsd_data_selection_reproduces_counts_computed_with_pandas(tmp_path, chat_tok, select_name):
+    """The OPSD log's two selections (at a token threshold that fits the synthetic traces) against pandas:
+    hard = integer answer and a trace of >= N tokens; nomath = source != math, then the upper half by trace
+    length (ties: the earlier row). Then the same through the OPSD_DATA_SELECT switch run.sh maps."""
+    df = _synthetic_opsd_table(400, seed=3)
+    path = tmp_path / "ot.parquet"
+    df.to_parquet(path)
+    df["n_tok"] = [len(chat_tok(t, add_special_tokens=False)["input_ids"]) for t in df["COT_Reason"]]
+    assert (df["n_tok"] != df["COT_Reason"].str.len()).mean() > 0.9  # tokens, not characters
+    threshold = 150
+    if select_name == "hard":
+        want = df[df["answer"].str.strip().str.fullmatch(r"-?\d{1,6}") & (df["n_tok"] >= threshold)]
+        filters = {"answer_regex": r"-?\d{1,6}", "reference": "cot", "min_reference_tokens": threshold}
+    else:
+        rest = df[df["source"] != "math"]
+        want = rest[rest["n_tok"].rank(method="first", ascending=False) <= math.ceil(len(rest) / 2)]
+        filters = {"exclude_sources": ["math"], "reference": "cot", "top_reference_fraction": 0.5}
+    assert 40 < len(want) < 300  # the filters bite, and leave rows
+    got = load_examples(path, _data(filters=filters), tokenizer=chat_tok)
+    assert [ex.id for ex in got] == list(want["uuid"])
+
+    from opdkit.recipes import opsd_overrides
+
+    overrides = opsd_overrides({"OPSD_DATA_SELECT": select_name})
+    if select_name == "hard":  # the switch's threshold is the seed's 2,000 tokens
+        assert config_from_dict({}, overrides).data.filters.min_reference_tokens == 2000
+        overrides.append(f"data.filters.min_reference_tokens={threshold}")
+    data = config_from_dict({}, overrides).data
+    assert [ex.id for ex in load_examples(path, data, tokenizer=chat_tok)] == list(want["uuid"])
+
+
+def test_token_counter_counts_without_special_tokens(chat_tok):
+    count = token_counter(chat_tok)
+    assert count([]) == []
+    texts = ["<|im_start|>user", "What is"]
+    assert count(texts) == [len(chat_tok(t, add_special_tokens=False).input_ids) for t in texts]
 
 
 def test_reference_solutions_required_for_privileged_teachers(dapo, openthoughts):
-    with pytest.raises(DataError, match="min_solution_chars=1"):
-        load_examples(dapo, _data(), require_solution=True)
-    assert len(load_examples(openthoughts, _data(), require_solution=True)) == 4
+    with pytest.raises(DataError, match="min_reference_tokens=1"):
+        load_examples(dapo, _data(), require=("solution",))
+    assert len(load_examples(openthoughts, _data(), require=("solution",))) == 4
+    with pytest.raises(DataError, match="COT_Reason"):  # OPSD_TEACHER_CONTEXT=cot needs the traces
+        load_examples(openthoughts, _data(), require=("cot",))
 
 
 def test_chat_template_encoding(dapo, chat_tok):
@@ -151,6 +227,85 @@ def test_bad_rows_name_the_file_and_row(tmp_path):
     assert load_examples(tmp_path / "rows.json", _data())[0].answer == "2"
     (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "Compute 1+1.", "answer": 2.0}) + "\n\n")
     assert load_examples(tmp_path / "rows.jsonl", _data())[0].answer == "2"
-    (tmp_path / "weird.jsonl").write_text(json.dumps({"question": "?"}) + "\n")
+    (tmp_path / "weird.jsonl").write_text(json.dumps({"query": "?"}) + "\n")
     with pytest.raises(DataError, match="expected a 'prompt' column"):
         load_examples(tmp_path / "weird.jsonl", _data())
+
+
+# --- the public benchmark files' shapes (no data is shipped: rows written here in their columns) ------------
+
+
+def test_math500_aime_and_openthoughts_shapes(tmp_path):
+    math500 = _write([{"problem": "Find $x$.", "solution": "So $x=\\boxed{\\frac{1}{2}}$.", "answer": "\\frac{1}{2}",
+                       "subject": "Algebra", "level": 3, "unique_id": "test/algebra/1.json"}], tmp_path / "math500.parquet")
+    aime24 = _write([{"ID": "2024-I-1", "Problem": "Every morning Aya ...", "Solution": "... $\\boxed{204}$", "Answer": 204},
+                     {"ID": "2024-I-2", "Problem": "There exist real numbers ...", "Solution": "...", "Answer": 25}],
+                    tmp_path / "aime_2024.parquet")
+    aime25_oc = tmp_path / "aime2025-I.jsonl"  # opencompass/AIME2025
+    aime25_oc.write_text(json.dumps({"question": "Find the sum of all integer bases ...", "answer": "70"}) + "\n")
+    aime25_yl = _write([{"id": 0, "problem": "Find the sum ...", "solution": "", "answer": "70", "url": "u", "year": 2025}],
+                       tmp_path / "aime_2025.parquet")
+    opsd = _write([{"problem": "p", "solution": "s \\boxed{3}", "COT_Reason": "a long trace", "answer": "3",
+                    "source": "olympiads"}], tmp_path / "opsd.parquet")
+    (ex,) = load_examples(math500, _data())
+    assert (ex.id, ex.prompt, ex.answer, ex.source) == ("test/algebra/1.json", "Find $x$.", "\\frac{1}{2}", "")
+    a, b = load_examples(aime24, _data())
+    assert (a.id, a.prompt, a.answer, b.answer) == ("2024-I-1", "Every morning Aya ...", "204", "25")
+    (c,) = load_examples(aime25_oc, _data())
+    assert (c.id, c.prompt, c.answer) == ("0", "Find the sum of all integer bases ...", "70")
+    (d,) = load_examples(aime25_yl, _data())
+    assert (d.id, d.answer, d.source) == ("0", "70", "2025")  # the year column is the source
+    (e,) = load_examples(opsd, _data())
+    assert (e.solution, e.cot, e.source) == ("s \\boxed{3}", "a long trace", "olympiads")
+
+
+def test_eval_files_keep_their_questions_apart_and_name_their_parts(tmp_path):
+    from opdkit.data import load_eval_examples
+
+    a = tmp_path / "aime_2024.jsonl"
+    a.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(3)))
+    b = tmp_path / "aime_2025.jsonl"
+    b.write_text("".join(json.dumps({"question": f"r{i}", "answer": str(i)}) + "\n" for i in range(2)))
+    assert [ex.id for ex in load_eval_examples([a])] == ["0", "1", "2"]  # one file: as it is
+    both = load_eval_examples([a, b])
+    assert [ex.id for ex in both] == ["aime_2024/0", "aime_2024/1", "aime_2024/2", "aime_2025/0", "aime_2025/1"]
+    assert [ex.source for ex in both] == ["aime_2024"] * 3 + ["aime_2025"] * 2
+    # evaluation reads every row: training filters do not apply
+    f = tmp_path / "f.jsonl"
+    f.write_text(json.dumps({"question": "q", "answer": "1,000"}) + "\n")
+    assert len(load_eval_examples([f])) == 1
+
+
+# the released OPSD collator's and evaluator's messages, as their f-strings write them
+# (siyan-zhao/OPSD data_collator.py and eval/evaluate_math.py at the release)
+def _released_student(problem):
+    return f"Problem: {problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def _released_teacher(problem, solution):
+    transition_prompt = ("\n\nAfter understanding the reference solution and the rationale behind each step, now "
+                         "articulate your own step-by-step reasoning that derives the same final answer to the problem below:\n")
+    return (f"{problem}\n\n"
+            f"Here is a reference solution to this problem:\n{solution}\n"
+            f"{transition_prompt}\n"
+            f"Please reason step by step, and put your final answer within \\boxed{{}}.")
+
+
+def _released_eval(problem):
+    return f"{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def test_opsd_prompts_are_the_released_ones_byte_for_byte():
+    from opdkit.data import privileged_prompt
+
+    ex = Example("0", "Let $f(x)={x}^2$; find {problem}.", "4", solution="Since {reference} \\boxed{4}",
+                 cot="<think>a trace {x}</think>")
+    student = format_prompt(ex, _data(prompt_format="opsd_student", chat_template=True))
+    assert student == [{"role": "user", "content": _released_student(ex.prompt)}]
+    assert format_prompt(ex, _data(prompt_format="opsd_eval")) == _released_eval(ex.prompt)
+    for context, ref in (("solution", ex.solution), ("cot", ex.cot), ("both", ex.solution + "\n\n" + ex.cot)):
+        data = _data(prompt_format="opsd_student", chat_template=True, teacher_prompt="opsd", teacher_context=context)
+        assert privileged_prompt(ex, data) == [{"role": "user", "content": _released_teacher(ex.prompt, ref)}]
+    # the student's switch to the eval prompt leaves the teacher's message as it was
+    data = _data(prompt_format="opsd_eval", chat_template=True, teacher_prompt="opsd")
+    assert privileged_prompt(ex, data) == [{"role": "user", "content": _released_teacher(ex.prompt, ex.solution)}]

@@ -25,17 +25,20 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from opdkit import distributed
+from opdkit import distributed, trainer_state
 from opdkit.checkpoints import validate_checkpoint
 from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.models import load_model
 from opdkit.setup import RunError, export_state_dict, make_optimizer, trainable_state
 from opdkit.teacher import unwrap
+from procs import env as child_env
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=24", "runtime.threads=1",
-        "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=1"]
+# the issue-22 shape: up to 64 new tokens, so the ranks' longest completions differ (39 and 40 tokens at
+# step 1), and logprob_chunk=1, so do their numbers of position chunks (a hang before the fix)
+TINY = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=64", "runtime.threads=1",
+        "runtime.logprob_chunk=1", "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=1"]
 WEIGHT_TOL = 1e-6  # fp32 on CPU: only the order of float sums differs between 1 and 2 processes
 
 
@@ -59,6 +62,25 @@ def test_ranks_share_the_prompts_contiguously_and_the_count_must_divide(monkeypa
     monkeypatch.setenv("WORLD_SIZE", "4")  # `WORLD_SIZE=4 opdkit train --check`, before torchrun starts
     with pytest.raises(RunError, match=r"multiple of the number of ranks \(4\)"):
         distributed.check_params(load_config(None, ["rollout.prompts_per_step=6"]), distributed.World())
+
+
+def test_vllm_under_torchrun_is_refused_before_anything_is_written_and_auto_picks_hf(monkeypatch, tmp_path):
+    from opdkit.config import ConfigError
+    from opdkit.engines import select, vllm
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it, and run.sh's --check for NPROC=2
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm is not supported under torchrun with 2 processes"):
+        distributed.check_params(load_config(None, ["rollout.engine=vllm"]), distributed.World())
+    monkeypatch.setattr(vllm, "available", lambda: True)  # a CUDA machine with vLLM installed
+    assert select.engine_name(load_config(None, ["rollout.engine=auto"]), torch.device("cuda")) == "hf"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert select.engine_name(load_config(None, ["rollout.engine=auto"]), torch.device("cuda")) == "vllm"
+    # run.sh with NPROC=2: bad input (exit 2, one line), and nothing is written
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(REPO / "run.sh"), "rollout.engine=vllm"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env=child_env(OUTPUT_DIR=str(out), NPROC="2", PYTHONPATH=str(REPO)))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not supported under torchrun" in r.stderr, r.stderr
+    assert not out.exists()
 
 
 def test_metrics_are_token_weighted_over_ranks(monkeypatch):
@@ -137,13 +159,19 @@ def test_a_sharded_step_and_its_gathered_state_equal_the_unsharded_ones(world1, 
         for k in a:
             assert torch.allclose(a[k].float(), b[k].float(), atol=1e-6), k
 
-    assert_close(trainable_state(plain), distributed.trainable_state(sharded))
     assert_close(export_state_dict(plain), distributed.export_state_dict(sharded))
-    o_plain, o_sharded = opts[0].state_dict(), distributed.optimizer_state(sharded, opts[1])
+    o_plain, o_sharded = _full_optimizer_state(plain, opts[0]), _full_optimizer_state(sharded, opts[1])
     assert o_plain["param_groups"] == o_sharded["param_groups"]
     assert o_plain["state"].keys() == o_sharded["state"].keys()
-    for i in o_plain["state"]:
-        assert_close(o_plain["state"][i], o_sharded["state"][i])
+    for name in o_plain["state"]:
+        assert_close(o_plain["state"][name], o_sharded["state"][name])
+
+
+def _full_optimizer_state(model, optimizer) -> dict:
+    """The optimizer state by parameter name, full tensors (gathered from the shards of a sharded model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
 
 
 def test_full_params_gives_plain_full_tensors_for_generation_and_shards_again(world1):
@@ -157,21 +185,33 @@ def test_full_params_gives_plain_full_tensors_for_generation_and_shards_again(wo
     assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
 
 
-def test_shard_run_carries_a_restored_optimizer_state_over(world1):
+def test_shard_run_carries_a_restored_optimizer_state_over_and_the_sharded_state_saves_and_restores(world1, tmp_path):
     from opdkit.setup import Run, build_run, prepare_inputs
 
     cfg = load_config(None, ["runtime.threads=1", "budget.max_steps=1", "optim.lr=0.01"])
     run = build_run(cfg, prepare_inputs(cfg), log=lambda *_: None)
     _loss_as_opd_computes_it(run.student)
     run.optimizer.step()
-    before = copy.deepcopy(run.optimizer.state_dict())
+    before = _full_optimizer_state(run.student, run.optimizer)
+    weights = {k: v.clone() for k, v in trainable_state(run.student).items()}
     sharded: Run = distributed.shard_run(run, world1)
     assert sharded.optimizer is not run.optimizer and sharded.student is run.student
-    after = distributed.optimizer_state(sharded.student, sharded.optimizer)
+    after = _full_optimizer_state(sharded.student, sharded.optimizer)
     assert after["param_groups"] == before["param_groups"]
-    for i, s in before["state"].items():
+    for name, s in before["state"].items():
         for k, v in s.items():
-            assert torch.equal(after["state"][i][k], v), (i, k)
+            assert torch.equal(after["state"][name][k], v), (name, k)
+    # the trainer state of the sharded run (DTensor shards, written through the process group) is
+    # the unsharded run's: restored into a fresh, unsharded run
+    sharded.extras["lr_clock_start_s"] = 0.0
+    trainer_state.save(tmp_path, sharded, step=1, elapsed=0.0, data_pos=0, log=lambda *_: None)
+    fresh = build_run(cfg, prepare_inputs(cfg), log=lambda *_: None)
+    trainer_state.restore(fresh, trainer_state.peek(tmp_path))
+    assert all(torch.equal(v, weights[k]) for k, v in trainable_state(fresh.student).items())
+    restored = _full_optimizer_state(fresh.student, fresh.optimizer)
+    for name, s in before["state"].items():
+        for k, v in s.items():
+            assert torch.equal(restored["state"][name][k], v), (name, k)
 
 
 # --- torchrun, 2 processes ---------------------------------------------------------------------
@@ -183,7 +223,7 @@ def _torchrun(out: Path, *overrides: str, nproc: int = 2) -> subprocess.Complete
     for kv in [*TINY, *overrides]:
         cmd += ["-S", kv]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # a hang fails here
 
 
 def _single(out: Path, *overrides: str):

@@ -226,10 +226,10 @@ def test_missing_chat_template_with_data_chat_template_is_refused(fx, tmp_path, 
 
 def test_parquet_row_in_no_known_shape_is_refused(fx, tmp_path, capsys):
     bad = tmp_path / "mixed.parquet"
-    rows = [{"question": "What is $1+1$?", "final_answer": "2"}]  # neither prompt nor problem
+    rows = [{"query": "What is $1+1$?", "final_answer": "2"}]  # neither prompt nor problem
     write_rows(rows, bad)
     rc, line, out = _train(tmp_path, fx, capsys, **{"data.train": bad})
     assert rc == 2, line
     assert f"data file {bad}, row 0 is in none of the known row shapes" in line
-    assert "'prompt'" in line and "'problem'" in line and "['final_answer', 'question']" in line
+    assert "'prompt'" in line and "'problem'" in line and "['final_answer', 'query']" in line
     assert not out.exists()

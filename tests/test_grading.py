@@ -78,12 +78,46 @@ def test_not_equivalent(pred, gold):
 def test_none_is_wrong():
     assert grade_answer(None, "5") is False
     assert grade_completion("I think it is 5.", "5") == {"pred": None, "correct": False,
-                                                         "has_box": False}
+                                                         "has_box": False, "graded_by": None}
 
 
 def test_grade_completion():
     out = grade_completion(r"So $x = \boxed{\dfrac{1}{2}}$.", "0.5")
-    assert out == {"pred": r"\dfrac{1}{2}", "correct": True, "has_box": True}
+    assert out == {"pred": r"\dfrac{1}{2}", "correct": True, "has_box": True, "graded_by": "verifier"}
+
+
+# (pred, gold, who accepts it): the rule grader for the same answer written another way, the verifier for
+# an equal value in another form, nobody for a different value (mathematical facts, not the code's output)
+@pytest.mark.parametrize("pred, gold, who", [
+    ("204", "204", "rule"),  # AIME-style
+    ("1,000", "1000", "rule"),
+    (r"\dfrac{1}{2}", r"\frac{1}{2}", "rule"),
+    (r"\text{(B)}", "(B)", "rule"),
+    ("10.0", "10", "rule"),
+    (r"\frac{1}{2}", "0.5", "verifier"),
+    ("1/2", r"\frac{1}{2}", "verifier"),
+    (r"\sqrt{12}", r"2\sqrt{3}", "verifier"),
+    (r"2^{10}", "1024", "verifier"),
+    ("5", "x=5", "verifier"),
+    (r"\pi/2", r"\frac{\pi}{2}", "verifier"),
+    ("203", "204", None),
+    (r"\sqrt{13}", r"2\sqrt{3}", None),
+    ("1/3", "0.33", None),
+])
+def test_rule_grader_then_verifier(pred, gold, who):
+    from opdkit.grading import accepted_by
+
+    assert accepted_by(pred, gold) == who
+    assert grade_completion(rf"... \boxed{{{pred}}}", gold)["graded_by"] == who
+
+
+def test_the_verifier_is_asked_only_when_the_rule_grader_says_no(monkeypatch):
+    from opdkit import grading
+
+    calls = []
+    monkeypatch.setattr(grading, "_math_verify_equal", lambda p, g, strict=False: calls.append((p, g)) or False)
+    assert grading.accepted_by("1,000", "1000") == "rule" and calls == []
+    assert grading.accepted_by("1/2", "0.5") is None and calls == [("1/2", "0.5")]
 
 
 def test_garbage_is_wrong_not_an_error():
@@ -115,6 +149,7 @@ EXPECTED = [True, True, True, False, False, True, False, True, False]
 def test_grade_many_sequential():
     out = grade_many(COMPLETIONS, GOLDS)
     assert [r["correct"] for r in out] == EXPECTED
+    assert [r["graded_by"] for r in out] == ["verifier", "verifier", "verifier", None, None, "rule", None, "rule", None]
     assert [r["has_box"] for r in out] == [c not in ("no box", r"\boxed{1/2") for c in COMPLETIONS]
     assert out == [grade_completion(c, g) for c, g in zip(COMPLETIONS, GOLDS)]
 

@@ -1,7 +1,9 @@
-"""The DVC pipeline (dvc.yaml): its declarations, the data-subset stage, and a real `dvc repro` on tiny
-params in a temporary copy of the repository (slow): outputs, a second repro that does nothing, a loss
-param that invalidates only the training stages, the same seed giving the same metrics, and
-each stage importing only opdkit code it declares as a dependency."""
+"""The DVC pipeline (dvc.yaml): its declarations, the data-subset stage, the train and eval stages' jobs,
+and a real `dvc repro` on tiny params in a temporary copy of the repository (slow): outputs, a second
+repro that does nothing, a loss param that invalidates only the training stage, strays removed, a run
+trained again from scratch giving the same metrics while the others are reused, each stage
+importing only opdkit code it declares as a dependency, and the runs' training and learning curves in
+`dvc plots show`, their final metrics in `dvc metrics show` and `dvc exp show`."""
 
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ def _stages(root: Path):
 def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
     stages = _stages(ROOT)
     names = {name.split("@")[0] for name, _, _ in stages}
-    assert {"embedded", "data", "train", "train_control", "eval_reference", "eval", "eval_control", "report",
-            "study_padding", "study_clipped_mass",
+    assert {"embedded", "data", "train", "eval", "report", "study_padding", "study_clipped_mass",
             "nb_training_dynamics", "nb_eval_comparison", "nb_repeat_runs", "nb_rollout_inspection",
             "nb_study_padding", "nb_study_clipped_mass"} <= names
     for name, cmd, deps in stages:
@@ -54,7 +55,8 @@ def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
 
 # what a stage command that builds a run config (params < recipe < -S) looks like
 BUILDS_A_CONFIG = ("opdkit train ", "opdkit eval ", "opdkit study ", "python -m opdkit.stages.subset ",
-                   "python -m opdkit.stages.eval_run ", "notebooks/rollout_inspection.ipynb ")
+                   "python -m opdkit.stages.train_runs ", "python -m opdkit.stages.eval_runs ",
+                   "notebooks/rollout_inspection.ipynb ")
 
 
 def test_stages_that_build_a_config_pin_the_recipe():
@@ -75,29 +77,53 @@ def test_stages_that_build_a_config_pin_the_recipe():
         if builds:
             assert "opdkit/recipes.py" in files, name
             pinned.add(name.split("@")[0])
-    assert pinned == {"data", "train", "train_control", "eval_reference", "eval", "eval_control", "study_padding",
-                      "study_clipped_mass", "nb_rollout_inspection"}
+    assert pinned == {"data", "train", "eval", "study_padding", "study_clipped_mass", "nb_rollout_inspection"}
 
 
-def test_every_seed_and_arm_gets_a_train_and_an_eval_stage():
-    names = [name for name, _, _ in _stages(ROOT)]
+def test_every_seed_and_arm_gets_a_run_and_its_evals(tmp_path):
+    """The train stage's jobs: each arm (loss.name, the baseline, the controls) x seed, with the command
+    dvc.yaml ran per run before; the eval stage's: the two references and each kept checkpoint of a run."""
+    from opdkit.stages.eval_runs import eval_jobs
+    from opdkit.stages.train_runs import train_jobs
+
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    arms = dict.fromkeys([params["loss"]["name"], params["pipeline"]["baseline_arm"]])
-    assert len(params["pipeline"]["seeds"]) >= 3
+    arms = list(dict.fromkeys([params["loss"]["name"], params["pipeline"]["baseline_arm"]]))
+    seeds = params["pipeline"]["seeds"]
+    assert len(seeds) >= 3
     # deterministic runs: a step horizon (the evals read checkpoint-<max_steps>), no wall clock, a step schedule
     assert params["budget"]["max_steps"] > 0 and params["budget"]["max_wall_time_s"] == 0
     assert params["optim"]["schedule"] in ("constant", "linear", "cosine")
-    for arm in arms:
-        for seed in params["pipeline"]["seeds"]:
-            assert f"train@{arm}-{seed}" in names and f"eval@{arm}-{seed}" in names
     # the controls: sft on teacher samples and on reference solutions, each over the seeds
     controls = params["pipeline"]["controls"]
     assert {c["sft_source"] for c in controls} == {"teacher", "reference"}
-    for i, c in enumerate(controls):
+    for c in controls:
         assert c["match"] in ("steps", "wall") and (c["match"] == "wall" or c["steps"] == params["budget"]["max_steps"])
         assert c["steps"] // c["every_steps"] <= params["publish"]["keep"]  # every curve checkpoint is kept
-        for seed in params["pipeline"]["seeds"]:
-            assert f"train_control@control{i}-{seed}" in names and f"eval_control@control{i}-{seed}" in names
+    jobs = train_jobs(str(ROOT / "params.yaml"), "S", "T", "D.parquet", "runs/train", "logs")
+    names = [f"{a}/seed{s}" for a in arms + [c["name"] for c in controls] for s in seeds]
+    assert [j.name for j in jobs] == names and [j.outputs for j in jobs] == [(f"runs/train/{n}",) for n in names]
+    by_name = {j.name: " ".join(j.argv) for j in jobs}
+    for seed in seeds:
+        assert f"-S seed={seed} -S loss.name={arms[0]} -S experiment_name={arms[0]} -S student.path=S " \
+               "-S teacher.path=T -S data.train=D.parquet" in by_name[f"{arms[0]}/seed{seed}"]
+        for c in controls:
+            assert (f"-S seed={seed} -S loss.name=sft -S loss.sft_source={c['sft_source']} -S teacher.source=model "
+                    f"-S data.pad_side=left -S budget.max_steps={c['steps']} -S publish.every_steps={c['every_steps']} "
+                    f"-S experiment_name={c['name']}") in by_name[f"{c['name']}/seed{seed}"]
+    # the evals: every kept checkpoint of every run (fake runs here), the last one into runs/eval
+    for arm in arms + controls:
+        name, steps = (arm, params["budget"]["max_steps"]) if isinstance(arm, str) else (arm["name"], arm["steps"])
+        for seed in seeds:
+            for k in (1, 2, 3):
+                (tmp_path / "train" / name / f"seed{seed}" / "checkpoints" / f"checkpoint-{k * steps // 3}").mkdir(
+                    parents=True)
+    ejobs, curves = eval_jobs(str(ROOT / "params.yaml"), str(tmp_path / "train"), "S", "T", "E.parquet", "ev", "cu",
+                              "logs")
+    outs = [j.outputs[0] for j in ejobs]
+    assert sorted(o for o in outs if o.startswith("ev/")) == sorted(
+        ["ev/reference/before.json", "ev/reference/teacher.json"] + [f"ev/{n}.json" for n in names])
+    assert len([o for o in outs if o.startswith("cu/")]) == 2 * len(names) and len(curves) == len(names)
+    assert all(" --tag arm=" in " ".join(j.argv) for j in ejobs)
 
 
 def test_subset_stage_selects_like_the_commands_and_pins_a_fingerprint(tmp_path):
@@ -106,7 +132,7 @@ def test_subset_stage_selects_like_the_commands_and_pins_a_fingerprint(tmp_path)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"data": {"filters": {"integer_answers": True, "exclude_sources": ["b"]},
+    params.write_text(yaml.safe_dump({"data": {"filters": {"answer_regex": r"-?\d{1,6}", "exclude_sources": ["b"]},
                                                "max_rows": 3}}))
     out = tmp_path / "out"
     argv = ["--train", str(src), "--eval", str(src), "--out-train", str(out / "train.parquet"),
@@ -222,6 +248,7 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     env = _env(tmp_path)
     _run(["git", "init", "-q"], repo, env)
     _dvc(repo, env, "init", "-q")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # the track stage's plot template
 
     log = _dvc(repo, env, "repro")
     stages = {name for name, _, _ in _stages(repo)}
@@ -266,8 +293,39 @@ def test_dvc_repro_on_tiny_params(tmp_path):
         assert (repo / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     nb_metrics = json.loads((runs / "notebooks" / "repeat_runs" / "metrics.json").read_text())
     assert nb_metrics["groups"]["rkl"]["mean"] == pytest.approx(rep["groups"]["rkl"]["mean"])
-    shown = _dvc(repo, env, "metrics", "show")
-    assert "runs/eval/rkl/seed0.json" in shown and "runs/eval/reference/teacher.json" in shown
+    shown = json.loads(_dvc(repo, env, "metrics", "show", "--json"))[""]["data"]["runs/report/report.json"]["data"]
+    assert shown["groups"]["rkl"]["mean"] == rep["groups"]["rkl"]["mean"] and "teacher" in shown["groups"]
+    # each run's training seconds (its final checkpoint's), beside its steps
+    final4 = json.loads((runs / "train" / "sft_reference" / "seed1" / "checkpoints" / "checkpoint-4" / "opdkit.json")
+                        .read_text())
+    assert [r["train_s"] for r in rep["runs"] if r["arm"] == "sft_reference" and r["seed"] == 1] == [final4["elapsed_s"]]
+    assert rep["groups"]["rkl"]["train_s_ratio"] == 1.0 and "train_s" not in rep["runs"][0]  # before: no checkpoint
+
+    # dvc plots show: each run's training curves (its DVCLive log, gathered by the track stage), every point of
+    # train.jsonl, and its learning curve; dvc metrics show: each run's last step and final eval accuracy
+    matrix = {"rkl": 3, "sft_reference": 4}  # arm: steps, over seeds 0 and 1
+    jsonl = {f"{arm}/seed{s}": [json.loads(ln) for ln in (runs / "train" / arm / f"seed{s}" / "metrics" / "train.jsonl")
+                                .read_text().splitlines()] for arm in matrix for s in (0, 1)}
+    assert {r: [row["step"] for row in rows] for r, rows in jsonl.items()} == {
+        f"{arm}/seed{s}": list(range(1, n + 1)) for arm, n in matrix.items() for s in (0, 1)}
+    plots = json.loads(_dvc(repo, env, "plots", "show", "--json"))
+    drawn = {Path(f).stem: p[0]["content"]["data"]["values"] for f, p in plots["data"].items() if "runs/track/" in f}
+    assert set(drawn) == {"loss", "kl", "lr", "clipped_mass", "eval_accuracy"}, plots.get("errors")
+    for name in ("loss", "kl", "lr", "clipped_mass"):
+        got = sorted((d["run"], int(d["step"]), float(d[name])) for d in drawn[name])
+        assert got == sorted((r, row["step"], row[name]) for r, rows in jsonl.items() for row in rows
+                             if row.get(name) is not None), name
+    assert {d["run"] for d in drawn["clipped_mass"]} == {"rkl/seed0", "rkl/seed1"}  # the sft control has none
+    for r in jsonl:
+        points = json.loads((runs / "curves" / r / "curve.json").read_text())["points"]
+        assert sorted((int(d["step"]), float(d["accuracy"])) for d in drawn["eval_accuracy"] if d["run"] == r) == [
+            (p["step"], p["accuracy"]) for p in points]
+    tracked = json.loads(_dvc(repo, env, "metrics", "show", "--json"))[""]["data"]["runs/track/metrics.json"]["data"]
+    for r, rows in jsonl.items():
+        arm, seed = r.split("/")
+        final = json.loads((runs / "eval" / arm / f"{seed}.json").read_text())["accuracy"]
+        assert tracked[arm][seed] == {"step": rows[-1]["step"], **{k: rows[-1][k] for k in ("loss", "kl", "lr", "clipped_mass")
+                                                                  if rows[-1].get(k) is not None}, "eval_accuracy": final}
 
     # each stage imported only opdkit modules it declares (the hook logged every process of every stage)
     declared = {name: [d.def_path for d in deps if type(d).__name__ != "ParamsDependency"]
@@ -278,7 +336,7 @@ def test_dvc_repro_on_tiny_params(tmp_path):
             stage, module = line.split()
             if (repo / _module_file(repo, module)).is_file():  # (not a failed optional import)
                 seen.setdefault(stage, set()).add(_module_file(repo, module))
-    assert set(seen) >= {"train@rkl-0", "eval@rkl-0", "study_padding", "nb_rollout_inspection"}
+    assert set(seen) >= {"train", "eval", "study_padding", "nb_rollout_inspection"}
     for name, files in seen.items():
         missing = [f for f in sorted(files - NOT_A_CODE_DEP)
                    if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in declared[name])]
@@ -288,57 +346,58 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     assert _ran(_dvc(repo, env, "repro")) == set()
     assert "up to date" in _dvc(repo, env, "status")
 
-    # a loss param invalidates only the training stages (everything downstream follows from them)
+    # a loss param invalidates only the training stage (everything downstream follows from it)
     before0 = json.loads((runs / "eval" / "rkl" / "seed0.json").read_text())
     _set_param(repo, "loss", "clip", "entry")
     changed = json.loads(_dvc(repo, env, "status", "--json"))
-    assert set(changed) == {"train@rkl-0", "train@rkl-1"}, changed
+    assert set(changed) == {"train"}, changed
     _set_param(repo, "loss", "clip", "none")
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
     # dvc.lock pins the recipe in use (its name and hash); editing it invalidates the stages that apply it
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     recipe = "recipes/embedded.yaml"
-    for name in ("data", "train@rkl-0", "eval@rkl-1", "eval_reference@teacher", "study_padding", "nb_rollout_inspection"):
+    for name in ("data", "train", "eval", "study_padding", "nb_rollout_inspection"):
         assert lock[name]["params"]["params.yaml"]["recipe"] == recipe, name
         assert [d["md5"] for d in lock[name]["deps"] if d["path"] == recipe], name
     text = (repo / recipe).read_text()
     (repo / recipe).write_text(text + "optim:\n  lr: 2.0e-4\n")
     changed = set(json.loads(_dvc(repo, env, "status", "--json")))
-    assert changed == {"data", "train@rkl-0", "train@rkl-1", "eval_reference@before", "eval_reference@teacher",
-                       "eval@rkl-0", "eval@rkl-1", "train_control@control0-0", "train_control@control0-1",
-                       "eval_control@control0-0", "eval_control@control0-1", "study_padding", "study_clipped_mass",
-                       "nb_rollout_inspection"}
+    assert changed == {"data", "train", "eval", "study_padding", "study_clipped_mass", "nb_rollout_inspection"}
     (repo / recipe).write_text(text)
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 
-    # leftovers of a dropped seed (DVC leaves them under runs/) change neither the report nor the notebooks
+    # strays in the stages' folders (a dropped seed's run and eval) are removed, the runs reused: no report changes
     report0 = json.loads((runs / "report" / "report.json").read_text())
-    nb0 = {nb: json.loads((runs / "notebooks" / nb / "metrics.json").read_text())
-           for nb in ("repeat_runs", "eval_comparison", "training_dynamics")}
-    stray = json.loads((runs / "eval" / "rkl" / "seed1.json").read_text()) | {"seed": "9", "accuracy": 1.0}
-    (runs / "eval" / "rkl" / "seed9.json").write_text(json.dumps(stray))
-    shutil.copy(runs / "eval" / "rkl" / "seed1.jsonl", runs / "eval" / "rkl" / "seed9.jsonl")
     shutil.copytree(runs / "train" / "rkl" / "seed1", runs / "train" / "rkl" / "seed9")
-    config9 = runs / "train" / "rkl" / "seed9" / "config.yaml"
-    config9.write_text(yaml.safe_dump(yaml.safe_load(config9.read_text()) | {"seed": 9}, sort_keys=False))
-    assert _ran(_dvc(repo, env, "repro")) == {"report", "nb_training_dynamics", "nb_eval_comparison", "nb_repeat_runs"}
+    shutil.copy(runs / "eval" / "rkl" / "seed1.json", runs / "eval" / "rkl" / "seed9.json")
+    log = _dvc(repo, env, "repro")
+    assert _ran(log) == {"train", "eval"} and "rkl/seed1: reused" in log and "sft_reference/seed0/checkpoint-2: reused" in log
+    assert not (runs / "train" / "rkl" / "seed9").exists() and not (runs / "eval" / "rkl" / "seed9.json").exists()
     assert json.loads((runs / "report" / "report.json").read_text()) == report0
-    for nb, metrics in nb0.items():
-        assert json.loads((runs / "notebooks" / nb / "metrics.json").read_text()) == metrics, nb
 
-    # the same seed trained again from scratch gives the same metrics
+    # a run trained again from scratch gives the same metrics and evals; only it and its evals run again
     steps = runs / "train" / "rkl" / "seed0" / "metrics" / "train.jsonl"
     losses0 = [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())]
-    _dvc(repo, env, "repro", "--force", "--single-item", "train@rkl-0")
+    shutil.rmtree(runs / "train" / "rkl" / "seed0")
+    log = _dvc(repo, env, "repro")
+    assert "rkl/seed0: runs" in log and "rkl/seed1: reused" in log and "sft_reference/seed1: reused" in log
+    assert "rkl/seed0/checkpoint-3: runs" in log and "rkl/seed1/checkpoint-3: reused" in log
     assert [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())] == losses0
-    _dvc(repo, env, "repro", "--force", "--single-item", "eval@rkl-0")
     assert json.loads((runs / "eval" / "rkl" / "seed0.json").read_text()) == before0
+    assert "up to date" in _dvc(repo, env, "status")
+
+    # dvc exp show (once there is a commit): the runs' final train metrics beside the params
+    _run(["git", "add", "-A"], repo, env)
+    _run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tiny"], repo, env)
+    (row,) = [r for r in json.loads(_dvc(repo, env, "exp", "show", "--json")) if r["rev"] == "workspace"]
+    assert row["data"]["metrics"]["runs/track/metrics.json"]["data"]["rkl"]["seed0"]["step"] == 3
+    assert row["data"]["params"]["params.yaml"]["data"]["tracking"] == "dvclive"
 
 
 def test_calibration_takes_the_median_step_and_matches_the_baseline_wall_clock():
     from opdkit.config import load_config
-    from opdkit.stages.calibrate import seconds_per_step, wall_matched
+    from opdkit.stages.calibrate import seconds_per_step, stage_seconds, wall_matched
 
     rows = [{"step": i + 1, "elapsed_s": t} for i, t in enumerate([9.0, 10.0, 11.5, 12.0, 14.0])]
     assert seconds_per_step(rows, skip=1) == 1.5  # steps of 1.0 | 1.5, 0.5, 2.0 -> median 1.5
@@ -347,3 +406,6 @@ def test_calibration_takes_the_median_step_and_matches_the_baseline_wall_clock()
     cfg = load_config(None, ["budget.max_steps=120"])
     assert wall_matched(cfg, s_baseline=1.0, s_arm=0.5, every_points=4) == (240, 60)  # twice as fast: 240 steps
     assert wall_matched(cfg, s_baseline=1.0, s_arm=0.09, every_points=4) == (1333, 334)  # 120 / 0.09 = 1333.3
+    # the train stage's runs, longest first on free processes: 6 runs of 100 s and 3 of 10 s
+    runs = [100.0] * 6 + [10.0] * 3
+    assert stage_seconds(runs, 8) == 100.0 and stage_seconds(runs, 2) == 320.0 and stage_seconds(runs, 1) == 630.0

@@ -6,12 +6,12 @@ input (computed here by a plain HF forward of each unpadded sequence), and diffe
 import pytest
 import torch
 
-from opdkit import opd
+from opdkit import opd, trainer_state
 from opdkit.config import Config, replace
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
-from opdkit.setup import build_run, load_trainable_state, prepare_inputs
-from opdkit.train import STATE_FILE, train
+from opdkit.setup import build_run, prepare_inputs
+from opdkit.train import train
 
 LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "optim.lr=1e-2", "loss.name=k1",
         "rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=24",
@@ -32,13 +32,13 @@ def _own_logp(model, prompt, completion):
 def trained_state(tmp_path_factory):
     out = tmp_path_factory.mktemp("live")
     train(replace(Config(), *LORA, "teacher.source=privileged_live"), out, log=lambda *a: None, progress=False)
-    return torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
+    return trainer_state.peek(out)
 
 
 def _teacher_scores(source, state):
     cfg = replace(Config(), *LORA, f"teacher.source={source}")
     run = build_run(cfg, prepare_inputs(cfg), log=lambda *a: None)
-    load_trainable_state(run.student, state["model"])
+    trainer_state.load_model(run, state)
     examples = run.inputs.examples[:3]
     ro = HFEngine(run.student, run.tokenizer).sample(run.prompts(examples), samples_per_prompt=1, seeds=[7, 8, 9],
                                                      temperature=1.0, top_p=1.0, max_new_tokens=16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -171,15 +172,15 @@ def test_pipeline_arms_are_the_opd_arms_then_the_controls_with_their_budgets():
     sft_t, sft_r = arms[1], arms[2]
     assert "loss.sft_source=teacher" in sft_t.overrides and "loss.sft_source=reference" in sft_r.overrides
     assert sft_r.steps == cfg.budget.max_steps and sft_r.match == "steps" and sft_t.match == "wall"
-    # each arm's overrides are what its train stage in dvc.yaml sets (the command names them all)
+    # dvc.yaml's train stage trains exactly these arms: its driver builds each run's -S from them
     import yaml
 
-    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    from opdkit.stages.train_runs import train_jobs
+
+    assert "opdkit.stages.train_runs" in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["cmd"]
+    argv = {j.name: j.argv for j in train_jobs(str(ROOT / "params.yaml"), "S", "T", "D", "runs/train", "logs")}
     for arm in arms:
-        cmd = stages["train" if arm.match == "baseline" else "train_control"]["cmd"]
-        for o in arm.overrides:
-            key = o.split("=")[0]
-            assert f"-S {key}=" in cmd, (arm.name, o)
+        assert all(o in argv[f"{arm.name}/seed0"] for o in arm.overrides), arm.name
     with pytest.raises(ConfigError, match=r"arm name\(s\) \['rkl'\] repeat"):
         pipeline_arms(load_config(None, ["pipeline.controls=[{name: rkl}]"]))
     with pytest.raises(ConfigError, match="reserved"):
@@ -205,6 +206,35 @@ def test_learning_curves_average_each_step_over_seeds(tmp_path):
     assert p60["elapsed_s_se"] == pytest.approx(np.std([30.0, 32.0], ddof=1) / math.sqrt(2))
     with pytest.raises(ValueError, match="is not a curve.json"):
         learning_curves([before])
+
+
+def test_training_seconds_come_from_the_checkpoints_and_a_wall_match_off_by_over_10pc_is_flagged(tmp_path):
+    """An eval of a published checkpoint reads its opdkit.json's elapsed_s; a wall-matched arm that trained
+    more than 10% longer or shorter than the baseline is flagged, one within 10% and a steps-matched one are not."""
+    from opdkit.checkpoints import MANIFEST
+    from opdkit.report import CHECKPOINT_META, WALL_MATCH_TOL
+
+    assert CHECKPOINT_META == MANIFEST and WALL_MATCH_TOL == 0.10
+    secs = {"rkl": [138.0, 140.0], "sft_teacher": [210.0, 212.0], "close": [150.0, 151.0], "sft_reference": [14.0, 15.0]}
+    match = {"sft_teacher": "wall", "close": "wall", "sft_reference": "steps", "rkl": "steps"}
+    paths = []
+    for arm, ss in secs.items():
+        for seed, elapsed in enumerate(ss):
+            ck = tmp_path / "train" / arm / f"seed{seed}" / "checkpoints" / "checkpoint-120"
+            ck.mkdir(parents=True)
+            (ck / MANIFEST).write_text(json.dumps({"step": 120, "elapsed_s": elapsed}))
+            paths.append(write_eval(tmp_path / "eval" / arm / f"seed{seed}.json", arm, seed, 0.9 + 0.01 * seed,
+                                    model=str(ck), step="120", match=match[arm]))
+    paths.append(write_eval(tmp_path / "eval" / "before.json", "before", None, 0.4, model=str(tmp_path / "nothing")))
+    r = report(paths, baseline="rkl")
+    g = r["groups"]
+    assert g["rkl"]["train_s"] == 139.0 and g["sft_teacher"]["train_s"] == 211.0 and g["before"]["train_s"] is None
+    assert g["sft_teacher"]["train_s_ratio"] == pytest.approx(211 / 139) and g["rkl"]["train_s_ratio"] == 1.0
+    assert set(r["wall_mismatch"]) == {"sft_teacher"}  # close: x1.08; sft_reference: matched by steps
+    assert "211 s against 139 s (x1.52" in r["wall_mismatch"]["sft_teacher"]
+    table = format_report(r)
+    assert re.search(r"^sft_teacher\s+120\s+211 wall ", table, re.M) and "WARNING: sft_teacher is matched" in table
+    assert re.search(r"^before\s+n/a|^before\s{10,}", table, re.M)
 
 
 def test_a_stray_run_folder_does_not_change_the_report(evals, tmp_path, capsys):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opdkit import train as train_mod
+from opdkit import train as train_mod, trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.config import load_config
 from opdkit.setup import RunError
@@ -81,12 +81,16 @@ def test_an_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, uni
     ref, _ = uninterrupted
     out = tmp_path / "out"
     # the first start ends at step 2 (same lr schedule horizon as the reference) ...
-    first, _ = quiet_train(cfg("budget.max_steps=2", "budget.schedule_steps=4", "publish.every_steps=2"), out)
+    first, _ = quiet_train(cfg("budget.max_steps=2", "budget.schedule_steps=4", "publish.every_steps=2",
+                               "tracking=dvclive"), out)
     assert first.step == 2
-    # ... after which a killed attempt left a step-3 line and a torn step-4 line behind
+    # ... after which a killed attempt left a step-3 line and a torn step-4 line behind (in DVCLive's log too)
     with (out / "metrics" / "train.jsonl").open("a") as f:
         f.write(json.dumps({"step": 3, "elapsed_s": 500.0}) + "\n" + '{"step": 4, "elaps')
-    result, logs = quiet_train(cfg("budget.max_steps=4", "budget.schedule_steps=4", "publish.every_steps=2"), out)
+    with (out / "dvclive" / "plots" / "metrics" / "loss.tsv").open("a") as f:
+        f.write("3\t999.0\n4\t9")
+    result, logs = quiet_train(cfg("budget.max_steps=4", "budget.schedule_steps=4", "publish.every_steps=2",
+                                   "tracking=dvclive"), out)
     assert result.step == 4
     assert "resuming from" in logs and "step 2, 500.0s of the wall budget already spent" in logs
     assert_same_weights(out / "checkpoints" / "checkpoint-4", ref / "checkpoints" / "checkpoint-4")
@@ -94,6 +98,10 @@ def test_an_interrupted_and_resumed_run_ends_with_the_same_weights(tmp_path, uni
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # stale and torn lines dropped, new ones appended
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]  # the same samples, step by step
     assert rows[2]["elapsed_s"] > 500.0  # the wall budget counts the time the lost steps took
+    # DVCLive's history is train.jsonl's, step by step (the killed attempt's rows gone), and run.json says so
+    loss_tsv = (out / "dvclive" / "plots" / "metrics" / "loss.tsv").read_text().splitlines()
+    assert loss_tsv == ["step\tloss"] + [f"{r['step']}\t{r['loss']!r}" for r in rows]
+    assert json.loads((out / "run.json").read_text())["tracking"] == {"kind": "dvclive", "error": None}
 
 
 def test_rerunning_a_finished_run_returns_at_once_without_training(uninterrupted, monkeypatch):
@@ -131,7 +139,7 @@ def test_a_wall_budget_spent_before_the_first_step_still_publishes_and_ends_clea
     assert (result.reason, result.step) == ("wall_clock", 0)
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["checkpoint-0"]
     assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-0") == (True, "ok")
-    assert (out / "state" / "trainer_state.pt").is_file()
+    assert trainer_state.peek(out)["step"] == 0
     again, logs = quiet_train(c, out)
     assert (again.reason, again.step) == ("wall_clock", 0) and "nothing to do" in logs
 
@@ -156,12 +164,15 @@ def exporting(out: Path, step: int) -> bool:
 
 
 def child_of(pid: int) -> int | None:
+    """The trainer run.sh started (a child of ``pid`` running ``opdkit train``, not its --check or a
+    short-lived helper of the script such as a pipeline's grep)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and b"opdkit" in argv and b"train" in argv and b"--check" not in argv:
             return int(stat.parent.name)
     return None
 
@@ -219,7 +230,7 @@ def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(
     # what a SIGKILL leaves: only complete checkpoints (a half-written one is a hidden temp dir)
     for c in list_checkpoints(out / "checkpoints"):
         assert is_valid_checkpoint(c) == (True, "ok"), c
-    assert (out / "state" / "trainer_state.pt").is_file() == has_state
+    assert (trainer_state.find(out) is not None) == has_state
 
     # the same command again (run.sh's own exit-0 check is exercised by the run.sh trial)
     again = (["bash", str(REPO / "run.sh"), *KILL_ARGS] if how == "run.sh" else

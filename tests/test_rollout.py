@@ -1,5 +1,8 @@
+import pytest
 import torch
 
+from generate_reference import generate_reference
+from opdkit.embedded import asset
 from opdkit.engines.base import completion_mask, left_pad
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import SeededSampler, sample_seed, top_p_filter
@@ -67,3 +70,33 @@ def test_sampling_logprobs_match_recomputed_on_contiguous_positions(tiny_llama, 
     m = ro.completion_mask_B_T.bool()
     assert (logp - ro.sampling_logp_B_T)[m].abs().max() < 1e-5
     assert (ro.sampling_logp_B_T[~m] == 0).all()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.6, 0.95)])
+def test_the_decode_loop_samples_what_generate_samples_bit_for_bit(tok, temperature, top_p):
+    """The engine's decode loop against transformers' generate with the same sampler, on the shipped
+    student and teacher: the same tokens and the same log-probs, bit for bit (prompts of unequal
+    lengths; every row stopping by itself, or the token cap); in chunks of 3 rows, the same tokens."""
+    from opdkit.models import load_model
+
+    prompts = [tok(p).input_ids for p in PROMPTS + ["Compute 9-8.", "Compute 123+456-789+10."]]
+    rows = [p for p in prompts for _ in range(2)]
+    seeds = [sample_seed(3, 1, i) for i in range(len(rows))]
+    for role, caps in (("student", (64, 5)), ("teacher", (64,))):
+        model = load_model(asset(role), torch.device("cpu"))
+        eng = HFEngine(model, tok, static_cache=False)
+        for cap in caps:
+            ids, mask, ref_ids, ref_logp = generate_reference(model, tok, rows, seeds, temperature, top_p, cap)
+            got_ids, got_logp = eng._hf_generate(ids, mask, seeds, temperature, top_p, cap)
+            assert torch.equal(got_ids, ref_ids) and torch.equal(got_logp, ref_logp), (role, cap)
+            assert ref_ids.shape[1] == cap if cap == 5 else ref_ids.shape[1] < cap  # capped / every row stopped
+    ids, mask, ref_ids, ref_logp = generate_reference(model, tok, rows, seeds, temperature, top_p, 64)
+    chunked = HFEngine(model, tok, static_cache=False, batch_size=3).sample(
+        prompts, samples_per_prompt=2, seeds=seeds, temperature=temperature, top_p=top_p, max_new_tokens=64)
+    T = chunked.completion_ids_B_T.shape[1]
+    ref_m = completion_mask(ref_ids, eng.eos_ids)[0].bool()
+    m = chunked.completion_mask_B_T.bool()
+    assert T <= ref_ids.shape[1] and torch.equal(m, ref_m[:, :T]) and not ref_m[:, T:].any()
+    assert torch.equal(chunked.completion_ids_B_T[m], ref_ids[:, :T][m])
+    # other rows beside them (other padding, other matmul shapes): the same tokens, log-probs to float rounding
+    torch.testing.assert_close(chunked.sampling_logp_B_T[m], ref_logp[:, :T][m], atol=1e-4, rtol=1e-5)

@@ -1,6 +1,7 @@
-"""run.sh, the formal replay, run as a real process: the env contract, the exit statuses, the lock,
-signal forwarding, the torchrun launch, and that a trainer exit 0 is only believed when the final
-checkpoint validates. (Kills and resumes: test_resume.py; bad inputs: test_cli_errors.py.)
+"""run.sh, the formal replay, run as a real process: the env contract (S1's formal replay by default, RECIPE,
+CKPT_DIR, the OPSD switches), the exit statuses, the locks (output, checkpoint directory, GPU workload), signal
+forwarding, the torchrun launch, and that a trainer exit 0 is only believed when the final checkpoint validates.
+(Kills and resumes: test_resume.py; bad inputs: test_cli_errors.py.)
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from opdkit import trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
 from procs import env
+from qwen2_fixture import fixture_dir
+from test_recipes import OPSD_RELEASED, S1_BASELINE, S1_FORMAL, mismatches
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_SH = REPO / "run.sh"
@@ -45,7 +48,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
     data = asset("train")
     env_vars = dict(OUTPUT_DIR=str(out), STUDENT_MODEL=str(asset("student")), TEACHER_MODEL=str(asset("teacher")),
                     TRAIN_DATA=str(data), MAX_WALL_TIME_SECONDS="14", DEADLINE_RESERVE_SECONDS="4",
-                    EXPERIMENT_NAME="smoke's 1")
+                    EXPERIMENT_NAME="smoke's 1", RECIPE="none")  # the embedded models: the built-in defaults, not S1's
     args = [*TINY, "publish.every_steps=5"]
     proc = run_sh(tmp_path, *args, **env_vars)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,7 +75,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
     # a step starts only if it is expected to end (as long as the last one) before the reserve
     for r in rows[:-1]:
         assert r["elapsed_s"] + r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"] + 4 < 14
-    assert (out / "state" / "trainer_state.pt").is_file()
+    assert trainer_state.peek(out)["step"] == run["step"]
 
     again = run_sh(tmp_path, *args, **{**env_vars, "EXPERIMENT_NAME": "renamed"})  # a label: resumes all the same
     assert again.returncode == 0, again.stderr[-3000:]
@@ -125,7 +128,8 @@ def test_run_sh_launches_torchrun_with_nproc_after_a_preflight_and_propagates_it
     proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(out), NPROC="2", PATH=path)
     assert proc.returncode == 4
     argv = (tmp_path / "torchrun.args").read_text().splitlines()
-    assert argv == ["--standalone", "--nproc-per-node", "2", "-m", "opdkit", "train", "--out", str(out), "-p", "none", "-S", "budget.max_steps=2"]
+    assert argv == ["--standalone", "--nproc-per-node", "2", "-m", "opdkit", "train", "--out", str(out), "-p", "none",
+                    "-r", "", "-S", "budget.max_steps=2"]
     assert "run.sh: training failed (exit 4)" in proc.stderr and "no checkpoint survives" in proc.stderr
     assert not out.exists()  # the preflight (`opdkit train --check`) writes nothing
 
@@ -186,5 +190,168 @@ def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_pat
     assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     assert not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
     # the step in flight finished: it has a metrics row, the trainer state and the newest checkpoint
-    state = torch.load(out / "state" / "trainer_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    state = trainer_state.peek(out)
     assert metric_steps(out)[-1] == run["step"] == state["step"] == int(ckpts[-1].name.split("-")[1])
+
+
+# --- S1's formal replay: `bash run.sh` with only the orchestrator's variables -----------------------------------
+
+
+@pytest.mark.slow
+def test_bash_run_sh_with_only_the_orchestrators_variables_is_s1s_formal_replay(tmp_path, tmp_path_factory):
+    """On the real-scale fixture (a DAPO-shaped table, a qwen2 pair with the Qwen2.5 tokenizer): the wall budget
+    is spent while loading (reserve = budget - 1 s), so the run publishes its step-0 export and ends there,
+    having written the resolved config that a 12-hour run would train with."""
+    fx = fixture_dir(tmp_path_factory)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    orchestrator = dict(STUDENT_MODEL=str(fx / "student"), TEACHER_MODEL=str(fx / "teacher"),
+                        TRAIN_DATA=str(fx / "data" / "train.parquet"), OUTPUT_DIR=str(out), CKPT_DIR=str(ckpt),
+                        MAX_WALL_TIME_SECONDS="2", DEADLINE_RESERVE_SECONDS="1", EXPERIMENT_NAME="s1 formal")
+    proc = run_sh(tmp_path, timeout=600, **orchestrator)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"recipe {RUN_SH.parent / 'recipes' / 's1_cosine.yaml'}" in proc.stdout
+    from opdkit.config import load_config
+
+    cfg = load_config(out / "config.yaml")
+    assert mismatches(cfg, S1_FORMAL) == {}
+    assert (cfg.student.path, cfg.teacher.path, cfg.data.train) == (str(fx / "student"), str(fx / "teacher"),
+                                                                     str(fx / "data" / "train.parquet"))
+    assert (cfg.budget.max_wall_time_s, cfg.budget.deadline_reserve_s, cfg.experiment_name) == (2.0, 1.0, "s1 formal")
+    # CKPT_DIR holds the trainer state, under its own lock; OUTPUT_DIR the exports and the record
+    assert cfg.runtime.state_dir == str(ckpt) and (ckpt / "trainer_state-0" / "meta.pt").is_file()
+    assert not (out / "state").exists() and (out / "checkpoints" / "checkpoint-0").is_dir()
+    run = json.loads((out / "run.json").read_text())
+    assert (run["status"], run["reason"], run["step"]) == ("completed", "wall_clock", 0)
+    # the same OUTPUT_DIR and CKPT_DIR again: the run resumes from CKPT_DIR's state and has nothing to do
+    again = run_sh(tmp_path, timeout=600, **orchestrator)
+    assert again.returncode == 0 and f"resuming from {ckpt / 'trainer_state-0'}" in again.stdout, again.stderr[-2000:]
+
+
+def _argv_of_run_sh(tmp_path, *args, **env_vars) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """What run.sh runs: a fake python records `-m opdkit train ...` and stops there (exit 2); others run."""
+    record = tmp_path / "train.argv"
+    record.unlink(missing_ok=True)
+    fake_python = _fake_command(tmp_path / "python", (
+        f'if [[ "$1 $2 $3" == "-m opdkit train" ]]; then shift 2; printf "%s\\n" "$@" > {record}; exit 2; fi\n'
+        f'exec {sys.executable} "$@"\n'))
+    proc = run_sh(tmp_path, *args, PYTHON=str(fake_python), OUTPUT_DIR=str(tmp_path / "out"), **env_vars)
+    return proc, record.read_text().splitlines() if record.exists() else []
+
+
+def _resolve(argv: list[str]):
+    from opdkit.cli import _config, build_parser
+
+    return _config(build_parser().parse_args(argv))
+
+
+def test_run_sh_picks_the_recipe_s1_formal_unless_recipe_says_otherwise(tmp_path):
+    model = dict(STUDENT_MODEL=str(asset("student")), TEACHER_MODEL=str(asset("teacher")))
+    _, argv = _argv_of_run_sh(tmp_path, **model)
+    assert argv[argv.index("-r") + 1] == str(RUN_SH.parent / "recipes" / "s1_cosine.yaml")
+    assert mismatches(_resolve(argv), S1_FORMAL) == {}
+    _, argv = _argv_of_run_sh(tmp_path, RECIPE=str(RUN_SH.parent / "recipes" / "s1.yaml"), **model)
+    assert mismatches(_resolve(argv), S1_BASELINE) == {}
+    _, argv = _argv_of_run_sh(tmp_path, RECIPE="none", **model)
+    assert argv[argv.index("-r") + 1] == "" and _resolve(argv).loss.name == "rkl"  # the built-in defaults
+    _, argv = _argv_of_run_sh(tmp_path)  # no model: the embedded default, no recipe
+    assert argv[argv.index("-r") + 1] == "" and _resolve(argv).budget.max_wall_time_s == 180.0
+
+
+def test_run_sh_maps_the_opsd_switches_and_refuses_unknown_ones(tmp_path):
+    recipe = str(RUN_SH.parent / "recipes" / "opsd_released.yaml")
+    _, argv = _argv_of_run_sh(tmp_path, RECIPE=recipe)
+    assert mismatches(_resolve(argv), OPSD_RELEASED) == {}
+    # each switch at its released value changes nothing
+    released = dict(OPSD_PAD_SIDE="right", OPSD_STUDENT_PROMPT="paper", OPSD_TEACHER_CONTEXT="solution",
+                    OPSD_CLIP_MODE="entry", OPSD_DATA_SELECT="none", OPSD_WAVG_LAST="0")
+    _, argv = _argv_of_run_sh(tmp_path, RECIPE=recipe, **released)
+    assert mismatches(_resolve(argv), OPSD_RELEASED) == {} and "data.pad_side=right" in argv
+    # the seed's rejected bundle (per-token clip + left padding + the eval prompt), and a trailing argument wins
+    _, argv = _argv_of_run_sh(tmp_path, "loss.clip_tau=0.1", RECIPE=recipe, OPSD_CLIP_MODE="token",
+                              OPSD_PAD_SIDE="left", OPSD_STUDENT_PROMPT="eval", OPSD_TEACHER_CONTEXT="cot")
+    cfg = _resolve(argv)
+    assert (cfg.loss.clip, cfg.data.pad_side, cfg.runtime.alignment_check, cfg.data.prompt_format,
+            cfg.data.teacher_context, cfg.loss.clip_tau) == ("token", "left", True, "opsd_eval", "cot", 0.1)
+    for bad, needle in ((dict(OPSD_PAD_SIDE="middle"), "OPSD_PAD_SIDE=middle: expected one of right, left"),
+                        (dict(OPSD_PADSIDE="left"), "unknown OPSD switch OPSD_PADSIDE"),
+                        (dict(OPSD_WAVG_LAST="5"), "tail weight averaging is not implemented")):
+        proc, argv = _argv_of_run_sh(tmp_path, RECIPE=recipe, **bad)
+        assert proc.returncode == 2 and argv == [] and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+
+
+# --- the locks: CKPT_DIR's, and the GPU workload lock (shared by training, exclusive for evaluation) ------------
+
+
+def _hold(code: str, *args: str) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time\n{code}\nprint('locked', flush=True)\n"
+                               "time.sleep(120)", *args], stdout=subprocess.PIPE, text=True, env=env())
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def _release(holder: subprocess.Popen) -> None:
+    holder.kill()
+    holder.wait()
+
+
+def test_run_sh_exits_75_when_another_run_holds_ckpt_dir(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    holder = _hold("from opdkit.fsutil import OutputLock\nOutputLock(sys.argv[1]).acquire()", str(ckpt))
+    try:
+        proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(tmp_path / "out"), CKPT_DIR=str(ckpt), timeout=120)
+    finally:
+        _release(holder)
+    assert proc.returncode == 75, proc.stderr
+    assert proc.stderr.splitlines() == [f"opdkit: trainer state directory {ckpt} is in use by another run "
+                                        f"(pid={holder.pid} host={os.uname().nodename}); wait for it to finish or "
+                                        "choose another trainer state directory"]
+    assert not (tmp_path / "out").exists()
+
+
+GPU = ["runtime.device_lock=always"]  # the lock applies on CUDA devices; `always` takes it on this CPU machine too
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_run_sh_exits_75_while_an_evaluation_holds_the_gpu(tmp_path, nproc):
+    lock = tmp_path / "gpu.lock"
+    holder = _hold("from opdkit.fsutil import DeviceLock\nDeviceLock(False, sys.argv[1]).acquire()", str(lock))
+    try:
+        proc = run_sh(tmp_path, *TINY, *GPU, "budget.max_steps=2", OUTPUT_DIR=str(tmp_path / "out"), NPROC=nproc,
+                      OPDKIT_GPU_LOCK=str(lock), timeout=120)
+    finally:
+        _release(holder)
+    assert proc.returncode == 75, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert f"the GPU workload lock {lock} is taken: an evaluation holds it (pid={holder.pid}" in line
+    assert not (tmp_path / "out").exists()
+
+
+def _eval(tmp_path, lock: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opdkit", "eval", "--model", str(asset("student")), "--out",
+                           str(tmp_path / "eval.json"), "-p", "none", "--quiet", *sum((["-S", kv] for kv in
+                           [*GPU, "eval.max_questions=2", "eval.n_samples=1", "eval.max_new_tokens=8", *extra]), [])],
+                          cwd=tmp_path, env=env(OPDKIT_GPU_LOCK=str(lock)), text=True, capture_output=True, timeout=300)
+
+
+def test_opdkit_eval_exits_75_while_training_holds_the_gpu_and_runs_once_it_is_released(tmp_path):
+    lock = tmp_path / "gpu.lock"
+    holders = [_hold("from opdkit.fsutil import DeviceLock\nDeviceLock(True, sys.argv[1]).acquire()", str(lock))
+               for _ in range(2)]  # two trainings share the GPU
+    try:
+        proc = _eval(tmp_path, lock)
+        assert proc.returncode == 75, proc.stderr
+        assert proc.stderr.splitlines()[-1].startswith(f"opdkit: the GPU workload lock {lock} is taken: training runs "
+                                                       "hold it (shared)")
+        assert not (tmp_path / "eval.json").exists()
+        # a third training may join them
+        out = tmp_path / "out"
+        proc = run_sh(tmp_path, *TINY, *GPU, "budget.max_steps=1", "publish.every_steps=1", OUTPUT_DIR=str(out),
+                      OPDKIT_GPU_LOCK=str(lock), MAX_WALL_TIME_SECONDS="0")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    finally:
+        for h in holders:
+            _release(h)
+    # run.sh returns once its trainer has exited: the GPU is free for an evaluation of its checkpoint at once
+    proc = _eval(tmp_path, lock)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["n_questions"] == 2

@@ -97,6 +97,22 @@ def test_a_mismatched_vllm_output_is_refused():
         to_rollout([no_lp], [[5]], 1, PAD, [EOS])
 
 
+def test_a_rollout_drawn_without_log_probs_has_none_and_the_same_layout():
+    """``sample(..., logprobs=False)`` requests ``logprobs=None`` (vLLM computes none); the
+    ``Rollout`` then carries ``sampling_logp_B_T = None`` and otherwise what the recorded one has."""
+    params = request_params(seeds=[11], temperature=1.0, top_p=1.0, max_new_tokens=8, eos_ids=[EOS], logprobs=False)
+    assert params[0]["logprobs"] is None
+    rows = [[5, 6], [5, 6]]
+    with_lp = [_one([5, 6], [10, EOS], [-0.5, -0.6], "stop"), _one([5, 6], [11, 12, 13], [-0.1, -0.2, -0.3], "length")]
+    bare = [RequestOutput("r", None, [5, 6], None, [CompletionOutput(0, "", list(o.outputs[0].token_ids), None, None,
+                                                                       o.outputs[0].finish_reason)]) for o in with_lp]
+    a, b = to_rollout(with_lp, rows, 2, PAD, [EOS]), to_rollout(bare, rows, 2, PAD, [EOS], logprobs=False)
+    assert b.sampling_logp_B_T is None and a.sampling_logp_B_T is not None
+    for name in ("prompt_ids_B_Sp", "prompt_mask_B_Sp", "completion_ids_B_T", "completion_mask_B_T", "truncated_B",
+                 "prompt_index_B"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_request_params_one_request_per_sample_with_its_own_seed():
     """n = 1 always (vLLM refuses greedy with n > 1), each sample's own seed, no vocabulary list
     (vLLM 0.26's GPU runner caps allowed_token_ids at 1,024 ids; the head is cut instead); greedy

@@ -5,7 +5,10 @@ token), completions right-padded; each row is sampled with its own seed, derived
 ``(seed, step, index)``, so a sample does not depend on what else is in the batch. Each engine
 records the log-probability of each sampled token under the policy it was sampled from: the
 model's logits over the tokenizer's ids, divided by the temperature, truncated to the top-p
-nucleus (``engines.sampling``); the importance ratio of the update compares against it.
+nucleus (``engines.sampling``); the importance ratio of the update compares against it. An
+engine asked for no log-probs (``sample(..., logprobs=False)``: nothing will read them) may leave
+them out (``sampling_logp_B_T = None``; vLLM does, the HF engines record them anyway: they cost
+nothing there).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ class Rollout:
     prompt_mask_B_Sp: torch.Tensor  # 1 on real prompt tokens
     completion_ids_B_T: torch.Tensor  # sampled tokens, padded on the right with pad_id
     completion_mask_B_T: torch.Tensor  # 1 on sampled tokens up to and including the first EOS
-    sampling_logp_B_T: torch.Tensor  # log π (the sampling policy) of each sampled token (0 on padding)
+    sampling_logp_B_T: torch.Tensor | None  # log π (the sampling policy) of each sampled token (0 on padding); None: not recorded
     truncated_B: torch.Tensor  # bool: hit the token cap without emitting EOS
     prompt_index_B: torch.Tensor  # which prompt each row answers
 
@@ -43,7 +46,7 @@ class RolloutEngine(Protocol):
 
     def sample(
         self, prompts: list[list[int]], *, samples_per_prompt: int, seeds: list[int],
-        temperature: float, top_p: float, max_new_tokens: int,
+        temperature: float, top_p: float, max_new_tokens: int, logprobs: bool = True,
     ) -> Rollout: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...

@@ -1,7 +1,11 @@
 """``make_engine``: the engine ``rollout.engine`` names (``auto``: vLLM on CUDA where it is
-installed, the HF engine otherwise)."""
+installed, in a single process; the HF engine otherwise). vLLM under a torchrun of several
+processes (``distributed_executor_backend="external_launcher"``, each rank its own prompts) is not
+supported: ``rollout.engine=vllm`` there is refused before anything is written."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -12,11 +16,17 @@ from opdkit.engines.hf import HFEngine
 from opdkit.engines.sharded import wrap_engine
 
 
+def torchrun_processes() -> int:
+    """The number of processes of the torchrun this process belongs to (``WORLD_SIZE``; a params
+    check for N processes sets it too); 1 outside torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def engine_name(cfg, device: torch.device) -> str:
     """``hf`` or ``vllm``: ``rollout.engine``, with ``auto`` resolved for ``device``."""
     if cfg.rollout.engine != "auto":
         return cfg.rollout.engine
-    return "vllm" if device.type == "cuda" and vllm_engine.available() else "hf"
+    return "vllm" if device.type == "cuda" and torchrun_processes() == 1 and vllm_engine.available() else "hf"
 
 
 def check_params(cfg, device: torch.device) -> None:
@@ -26,6 +36,9 @@ def check_params(cfg, device: torch.device) -> None:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r}: expected 0 < top_p <= 1 (1 = no truncation)")
     if engine_name(cfg, device) != "vllm":
         return
+    if torchrun_processes() > 1:
+        raise ConfigError(f"rollout.engine=vllm is not supported under torchrun with {torchrun_processes()} processes "
+                          "(vLLM's external_launcher is not wired in): use rollout.engine=hf (or auto) there")
     if loss_table.samples_from(cfg.loss) == "teacher":
         raise ConfigError("loss.name=sft with loss.sft_source=teacher samples from the teacher, which would need a "
                           "second colocated vLLM engine: set rollout.engine=hf for this control")
@@ -35,7 +48,8 @@ def make_engine(cfg, model, tokenizer):
     """The engine for ``model`` (wrapped for a sharded model; see ``engines.sharded``)."""
     device = next(model.parameters()).device
     if engine_name(cfg, device) == "hf":
-        engine = HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=cfg.rollout.batch_size)
+        engine = HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=cfg.rollout.batch_size,
+                          own_copy=cfg.rollout.overlap > 0)  # one-step-off rollouts draw while the live model trains
     else:
         engine = vllm_engine.VLLMEngine(cfg, model, tokenizer)
     return wrap_engine(engine, model)

@@ -1,6 +1,6 @@
 """An engine over an FSDP2-sharded policy: full weights gathered only where the engine reads them.
 
-An engine that samples the live model (``reads_live_model``: ``model.generate``) runs its whole
+An engine that samples the live model (``reads_live_model``: the HF engine's ``decode``) runs its whole
 ``sample`` under ``full_params``; an engine with a copy of its own (the static decoder, vLLM)
 gathers nothing to sample, and its ``sync_weights`` reads ``merged_weights``, which gathers one
 parameter at a time. Every rank calls both at the same points of the loop (gathering is

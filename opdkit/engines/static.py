@@ -16,10 +16,13 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   group of query heads (grouped-query attention without repeating K/V);
 - for Llama/Qwen2/Qwen3-type layers the per-token forward (``_layer_step``) is written out with
   few kernels: q/k/v and gate/up as one matmul each (the copy's weights are views into fused
-  buffers), rotary on q and k at once as roll + multiply-add, the attention scale and mask as one
-  add, the residual adds inside the projections' matmuls (addmm), the fused RMSNorm. A replayed step is bound by its number
-  of small kernels (each costs microseconds however small), not by the weight reads: this halves
-  it against the modules' own forward, which is still used for other architectures.
+  buffers), rotary as one small batched matmul each for q and k by the step's rotation matrix
+  (``rotation``: cos on the diagonal, ±sin where rotate_half moves an entry; built once per step
+  for all layers), the attention scale and mask as one add, the residual adds inside the
+  projections' matmuls (addmm), the fused RMSNorm, and the cache slot from the step's token index
+  (no per-layer counter to advance). A replayed step is bound by its number of small kernels
+  (each costs microseconds however small), not by the weight reads: this halves it against the
+  modules' own forward, which is still used for other architectures.
 
 Sampling and the recorded log-probs are ``sampling.policy_scores``, as in the ``generate`` path:
 a sample depends only on its seed and the logits, and its log-prob is log π of the policy it was
@@ -149,23 +152,45 @@ def _linear_add(x_B_I, linear, residual_B_H):
     return torch.addmm(residual_B_H, x_B_I, linear.weight.t())
 
 
-def _layer_step(f: dict, h_B_H, cos_B_1_D, sin_B_1_D, slot_1, bias_B_1_1_n, keys_B_K_L_D, values_B_K_L_D):
+def half_turn(D: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """P_D_D with x @ P == rotate_half(x) = cat(-x2, x1) for row vectors x of size D:
+    P[j + D/2, j] = -1 and P[j, j + D/2] = 1 for j < D/2, 0 elsewhere."""
+    half = D // 2
+    P_D_D = torch.zeros((D, D), dtype=dtype, device=device)
+    idx = torch.arange(half, device=device)
+    P_D_D[idx + half, idx] = -1
+    P_D_D[idx, idx + half] = 1
+    return P_D_D
+
+
+def rotation(cos_B_1_D, sin_B_1_D, P_D_D) -> torch.Tensor:
+    """The rotary embedding of one position per row as a matrix R_B_D_D: x @ R == x * cos +
+    rotate_half(x) * sin for row vectors x, i.e. R = diag(cos) + P diag(sin) (``half_turn``):
+    two products per entry of x @ R, every other term an exact zero."""
+    B, D = cos_B_1_D.shape[0], cos_B_1_D.shape[-1]
+    return torch.diag_embed(cos_B_1_D.view(B, D)) + P_D_D * sin_B_1_D.view(B, 1, D)
+
+
+def _layer_step(f: dict, h_B_H, rot_B_D_D, slot_1, bias_B_1_1_n, keys_B_K_L_D, values_B_K_L_D):
     """One decoder layer for one new token per row: the HF Llama/Qwen layer in fewer kernels.
 
-    ``sin_B_1_D`` is sign-folded for ``roll``: rotate_half(x) * sin == roll(x, D/2) * cat(-sin1, sin2).
-    ``bias_B_1_1_n`` is the additive fp32 attention mask (0 visible, -inf hidden), shared by all layers.
+    ``rot_B_D_D``: each row's rotary embedding as a matrix (``rotation``), shared by all layers.
+    ``slot_1``: the cache slot of the new token. ``bias_B_1_1_n`` is the additive fp32 attention
+    mask (0 visible, -inf hidden), shared by all layers.
     """
     B, H, Hkv, D = h_B_H.shape[0], f["H"], f["Hkv"], f["D"]
     G, n = H // Hkv, bias_B_1_1_n.shape[-1]
     qkv_B_X = torch.nn.functional.linear(_rms(h_B_H, f["ln1"]), f["w_qkv"], f["b_qkv"])
-    qk_B_Hk_D = qkv_B_X[:, :(H + Hkv) * D].view(B, H + Hkv, D)  # query heads, then key heads
+    q_B_H_D = qkv_B_X[:, :H * D].view(B, H, D)
+    k_B_K_D = qkv_B_X[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
     v_B_K_D = qkv_B_X[:, (H + Hkv) * D:].view(B, Hkv, D)
     if f["q_norm"] is not None:  # Qwen3: RMSNorm per head before rotary
-        qk_B_Hk_D = torch.cat([_rms(qk_B_Hk_D[:, :H], f["q_norm"]), _rms(qk_B_Hk_D[:, H:], f["k_norm"])], 1)
-    qk_B_Hk_D = torch.addcmul(qk_B_Hk_D * cos_B_1_D, qk_B_Hk_D.roll(D // 2, -1), sin_B_1_D)
-    keys_B_K_L_D.index_copy_(2, slot_1, qk_B_Hk_D[:, H:, None, :])
+        q_B_H_D, k_B_K_D = _rms(q_B_H_D, f["q_norm"]), _rms(k_B_K_D, f["k_norm"])
+    q_B_H_D = torch.bmm(q_B_H_D, rot_B_D_D)  # rotary; contiguous, so the grouped view below is free
+    k_B_K_D = torch.bmm(k_B_K_D, rot_B_D_D)
+    keys_B_K_L_D.index_copy_(2, slot_1, k_B_K_D[:, :, None, :])
     values_B_K_L_D.index_copy_(2, slot_1, v_B_K_D[:, :, None, :])
-    q_B_K_G_D = qk_B_Hk_D[:, :H].reshape(B, Hkv, G, D)  # head h reads K/V head h // G
+    q_B_K_G_D = q_B_H_D.view(B, Hkv, G, D)  # head h reads K/V head h // G
     scores_B_K_G_n = torch.matmul(q_B_K_G_D, keys_B_K_L_D[:, :, :n].transpose(-1, -2))
     scores_B_K_G_n = torch.add(bias_B_1_1_n, scores_B_K_G_n, alpha=f["scale"])  # fp32: scale and mask in one kernel
     probs_B_K_G_n = scores_B_K_G_n.softmax(-1).to(h_B_H.dtype)
@@ -190,26 +215,26 @@ class StaticDecoder:
         params = inspect.signature(self.gen.model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.layers = _fused_layers(self.gen) if fused else None  # None: use the modules' own forward for this architecture
+        if self.layers is not None:
+            self.half_turn_D_D = half_turn(self.layers[0]["D"], dtype, self.device)
         self.stats: dict = {}
 
-    def _forward(self, tok_B, pos_B, mask_B_1_1_n, cache):
-        """Raw next-token logits (B, V) fp32 after feeding one token per row through the cache."""
+    def _forward(self, tok_B, pos_B, mask_B_1_1_n, cache, slot_1):
+        """Raw next-token logits (B, V) fp32 after feeding one token per row through the cache at
+        slot ``slot_1`` (a 1-element device tensor; the modules' own forward advances the cache's
+        counters instead)."""
         m = self.gen.model
         if self.layers is None:
             h_B_1_H = m(input_ids=tok_B[:, None], attention_mask=mask_B_1_1_n, position_ids=pos_B[:, None],
                         use_cache=True, **{self.cache_kw: cache}).last_hidden_state
             return self.gen.lm_head(h_B_1_H[:, -1]).float()
         h_B_H = m.embed_tokens(tok_B)
-        cos_B_1_D, sin_B_1_D = m.rotary_emb(h_B_H, pos_B[:, None])  # (B, 1, D): broadcast over heads
-        half = cos_B_1_D.shape[-1] // 2
-        sin_B_1_D = torch.cat([-sin_B_1_D[..., :half], sin_B_1_D[..., half:]], -1)  # for roll, see _layer_step
+        cos_B_1_D, sin_B_1_D = m.rotary_emb(h_B_H, pos_B[:, None])  # of each row's position
+        rot_B_D_D = rotation(cos_B_1_D, sin_B_1_D, self.half_turn_D_D)
         bias_B_1_1_n = torch.zeros(mask_B_1_1_n.shape, dtype=torch.float32, device=tok_B.device).masked_fill_(
             ~mask_B_1_1_n, float("-inf"))
-        slot_1 = cache.layers[0].cumulative_length.view(1)  # every layer writes the same slot
-        for f, layer in zip(self.layers, cache.layers):
-            h_B_H = _layer_step(f, h_B_H, cos_B_1_D, sin_B_1_D, slot_1, bias_B_1_1_n, layer.keys, layer.values)
-        for layer in cache.layers:
-            layer.cumulative_length.add_(1)
+        for f, layer in zip(self.layers, cache.layers):  # every layer writes the same slot
+            h_B_H = _layer_step(f, h_B_H, rot_B_D_D, slot_1, bias_B_1_1_n, layer.keys, layer.values)
         return self.gen.lm_head(_rms(h_B_H, m.norm)).float()
 
     def sync(self, model) -> None:
@@ -254,8 +279,9 @@ class StaticDecoder:
 
             def step(n: int):
                 """Feed token t-1 (slot Sp-1+t), sample token t, attending to slots < n; device tensors only."""
-                visible_B_L.index_fill_(1, (t_dev + (Sp - 1)).view(1), True)
-                raw_B_V = self._forward(tok_B, pos_B, visible_B_L[:, None, None, :n], cache)
+                slot_1 = (t_dev + (Sp - 1)).view(1)
+                visible_B_L.index_fill_(1, slot_1, True)
+                raw_B_V = self._forward(tok_B, pos_B, visible_B_L[:, None, None, :n], cache, slot_1)
                 scores_B_V, logp_B_V = policy_scores(raw_B_V, seeds_B, t_dev, temperature, top_p, self.n_vocab)
                 new_B = scores_B_V.argmax(-1)
                 logp_B = logp_B_V.gather(1, new_B[:, None])[:, 0]
@@ -282,7 +308,8 @@ class StaticDecoder:
                 else:
                     if n not in graphs:  # ... then capture it (recorded, not run) and replay from here on
                         g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, pool=pool):
+                        # thread_local: another thread (the trainer, under rollout.overlap) may use CUDA meanwhile
+                        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                             step(n)
                         pool = g.pool()
                         graphs[n] = g

@@ -32,7 +32,11 @@ step and with no per-request list (vLLM 0.26's GPU model runner caps
 
 Sampling: one request per sample with ``SamplingParams(n=1, seed=<that sample's seed>,
 temperature, top_p, max_tokens, logprobs=0)`` (so greedy, where vLLM requires n = 1, works for any
-G, and a sample's seed is its own). ``logprobs_mode="processed_logprobs"``: the log-prob returned
+G, and a sample's seed is its own; vLLM's GPU model runner draws every request's Gumbel noise from
+a per-request seed anyway, so a seed of our own costs nothing). ``sample(..., logprobs=False)``
+asks for none (``logprobs=None``): the loop does so where nothing reads them (a loss that does not
+read ``old_logp_B_T``, after the first batch's alignment check), and the ``Rollout`` then has
+``sampling_logp_B_T = None``. ``logprobs_mode="processed_logprobs"``: the log-prob returned
 for each sampled token is that of the distribution it was sampled from, the logits divided by the
 temperature and truncated to the top-p nucleus (vLLM's ``Sampler.apply_sampling_params`` then
 ``apply_top_k_top_p``; greedy: the raw logits), the scale ``Rollout`` promises
@@ -48,6 +52,7 @@ tested without vLLM.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -69,13 +74,14 @@ def available() -> bool:
 
 
 def request_params(*, seeds: list[int], temperature: float, top_p: float, max_new_tokens: int,
-                   eos_ids: list[int]) -> list[dict]:
+                   eos_ids: list[int], logprobs: bool = True) -> list[dict]:
     """``SamplingParams`` keyword arguments, one request (n = 1) per sample, with its own seed;
     greedy (temperature <= 0) with top-p off, as vLLM treats it. No per-request vocabulary list:
-    the padding rows are cut from the engine's head instead (``llm_kwargs``)."""
+    the padding rows are cut from the engine's head instead (``llm_kwargs``). ``logprobs``: the
+    sampled token's log-prob (``logprobs=0``), else none (``None``: vLLM skips computing them)."""
     _, p = policy_settings(temperature, top_p)
-    return [dict(n=1, temperature=max(0.0, temperature), top_p=p, max_tokens=max_new_tokens, seed=s, logprobs=0,
-                 stop_token_ids=list(eos_ids), detokenize=False)
+    return [dict(n=1, temperature=max(0.0, temperature), top_p=p, max_tokens=max_new_tokens, seed=s,
+                 logprobs=0 if logprobs else None, stop_token_ids=list(eos_ids), detokenize=False)
             for s in seeds]
 
 
@@ -113,11 +119,12 @@ def pushed_weights(model, n_vocab: int | None):
 
 
 def to_rollout(outputs, rows: list[list[int]], samples_per_prompt: int, pad_id: int, eos_ids: list[int],
-               device: torch.device | str = "cpu") -> Rollout:
+               device: torch.device | str = "cpu", logprobs: bool = True) -> Rollout:
     """vLLM ``RequestOutput``s (one per sample, in row order, each with one ``CompletionOutput``)
     -> a ``Rollout`` laid out as the HF engine's: rows prompt-major, prompts left-padded,
     completions right-padded with ``pad_id``, mask through the first EOS, the sampling policy's
-    log-probs of the sampled tokens (0 on padding), truncated = no EOS within the token cap.
+    log-probs of the sampled tokens (0 on padding; None when ``logprobs`` is False: not
+    requested), truncated = no EOS within the token cap.
 
     A ``CompletionOutput`` holds ``token_ids`` (the EOS included when it stopped there) and
     ``logprobs``: per position a mapping token id -> ``Logprob(logprob=...)`` holding at least
@@ -132,21 +139,27 @@ def to_rollout(outputs, rows: list[list[int]], samples_per_prompt: int, pad_id: 
             raise ValueError(f"sample {i}: vLLM returned {len(req.outputs)} completions, expected 1")
         c = req.outputs[0]
         ids = list(c.token_ids)
+        comps.append(ids)
+        if not logprobs:
+            continue
         if c.logprobs is None or len(c.logprobs) != len(ids):
             raise ValueError(f"sample {i}: no log-prob per sampled token (logprobs=0 not set?)")
-        comps.append(ids)
         logps.append([float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)])
     ids_B_Sp, mask_B_Sp = left_pad(rows, pad_id, device)
     T = max((len(c) for c in comps), default=0)
     comp_B_T = torch.full((len(comps), T), pad_id, dtype=torch.long)
-    logp_B_T = torch.zeros((len(comps), T), dtype=torch.float)
-    for i, (c, lp) in enumerate(zip(comps, logps)):
+    for i, c in enumerate(comps):
         comp_B_T[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        logp_B_T[i, : len(lp)] = torch.tensor(lp, dtype=torch.float)
     mask_B_T, truncated_B = completion_mask(comp_B_T, eos_ids)
     comp_B_T = torch.where(mask_B_T.bool(), comp_B_T, torch.full_like(comp_B_T, pad_id))  # nothing after the EOS
+    logp_B_T = None
+    if logprobs:
+        logp_B_T = torch.zeros((len(comps), T), dtype=torch.float)
+        for i, lp in enumerate(logps):
+            logp_B_T[i, : len(lp)] = torch.tensor(lp, dtype=torch.float)
+        logp_B_T = (logp_B_T * mask_B_T).to(device)
     n_prompts = len(rows) // samples_per_prompt
-    return Rollout(ids_B_Sp, mask_B_Sp, comp_B_T.to(device), mask_B_T.to(device), (logp_B_T * mask_B_T).to(device),
+    return Rollout(ids_B_Sp, mask_B_Sp, comp_B_T.to(device), mask_B_T.to(device), logp_B_T,
                    truncated_B.to(device), torch.arange(n_prompts).repeat_interleave(samples_per_prompt).to(device))
 
 
@@ -234,6 +247,20 @@ class VLLMEngine:
             self.llm.wake_up(tags=[tag])
             self.awake.add(tag)
 
+    def bind_stream(self, stream: torch.cuda.Stream) -> None:
+        """Run the engine's GPU work on ``stream`` from now on (``opdkit.overlap`` draws in a background
+        thread under it, while training runs on the default stream). vLLM's V2 GPU model runner
+        keeps the stream it was built on as its ``main_stream`` (its asynchronous output copy waits
+        on that stream: on the default stream it would wait for the training's kernels); it is
+        pointed at ``stream``. The V1 runner reads the current stream at each step."""
+
+        def bind(worker):
+            runner = worker.model_runner
+            if isinstance(getattr(type(runner), "main_stream", None), functools.cached_property):
+                runner.__dict__["main_stream"] = stream
+
+        self.llm.collective_rpc(bind)
+
     def sync_weights(self, model) -> None:
         """Push the live weights (LoRA merged, bf16, one tensor at a time; embedding and head cut to
         the tokenizer's ids) into the engine."""
@@ -252,7 +279,8 @@ class VLLMEngine:
         self.synced, self.model = True, model
 
     @torch.no_grad()
-    def sample(self, prompts, *, samples_per_prompt, seeds, temperature, top_p, max_new_tokens) -> Rollout:
+    def sample(self, prompts, *, samples_per_prompt, seeds, temperature, top_p, max_new_tokens,
+               logprobs: bool = True) -> Rollout:
         if not self.synced:  # level-2 sleep discarded the weights: push the live model's (as of now) again
             if self.model is None:
                 raise RuntimeError("VLLMEngine.sample before the first sync_weights: the engine starts with dummy "
@@ -266,7 +294,8 @@ class VLLMEngine:
             raise ValueError(f"a prompt of {longest} tokens is longer than rollout.max_prompt_tokens="
                              f"{self.max_prompt_tokens} (the vLLM engine's max_model_len is that + max_new_tokens)")
         params = [self.SamplingParams(**kw) for kw in request_params(
-            seeds=seeds, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids)]
+            seeds=seeds, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
+            logprobs=logprobs)]
         self._wake("weights")
         self._wake("kv_cache")
         try:
@@ -274,4 +303,4 @@ class VLLMEngine:
                                         use_tqdm=False)
         finally:
             self._sleep()  # free the GPU for scoring and the update
-        return to_rollout(outputs, rows, samples_per_prompt, self.pad_id, self.eos_ids, self.device)
+        return to_rollout(outputs, rows, samples_per_prompt, self.pad_id, self.eos_ids, self.device, logprobs)

@@ -60,7 +60,7 @@ def check_params(cfg) -> str | None:
     """Why these params cannot score with a vLLM teacher (None: they can)."""
     if cfg.teacher.source != "vllm":
         return None
-    need = loss_table.teacher_need(cfg.loss)
+    need = loss_table.teacher_need(cfg.loss, cfg.rollout)
     if need == "full":
         return (f"loss.name={cfg.loss.name} needs the teacher's full distribution; teacher.source=vllm scores through "
                 "prompt log-probs, which give the sampled token and the top-k only: use k1, k2, k3 or topk_fkl, or "
@@ -81,7 +81,7 @@ def check_params(cfg) -> str | None:
 
 def prompt_logprobs_k(cfg) -> int:
     """K of the requests: the top-K for topk_fkl, else 0 (the sampled token's log-prob only)."""
-    return cfg.loss.topk if loss_table.teacher_need(cfg.loss) == "topk" else 0
+    return cfg.loss.topk if loss_table.teacher_need(cfg.loss, cfg.rollout) == "topk" else 0
 
 
 def sequences(batch, rows) -> tuple[list[list[int]], list[int], list[int]]:

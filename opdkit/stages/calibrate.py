@@ -6,9 +6,12 @@ median of its per-step seconds after ``--skip`` warm-up steps (``elapsed_s`` dif
 ``metrics/train.jsonl``: the whole step, rollout + scoring + update). The baseline arm's budget,
 ``budget.max_steps x s_baseline``, is the wall clock every ``match: wall`` control gets:
 ``steps = round(budget.max_steps * s_baseline / s_arm)``, with ``every_steps`` keeping the baseline's
-number of learning-curve checkpoints. Prints the ``pipeline.controls`` block for params.yaml and the
+number of learning-curve checkpoints. Prints the ``pipeline.controls`` block for params.yaml, the
 training seconds ``dvc repro`` will spend (steps x seconds per step, summed over arms and seeds; start-up,
-evals, studies and notebooks come on top). Timings are only valid on an otherwise idle machine.
+evals, studies and notebooks come on top) and the train stage's wall clock when its runs go side by side
+on this machine's processes (``opdkit.stages.train_runs``: longest first, each on a CPU of its own, as
+if they did not slow each other). Timings are only valid on an otherwise idle machine; the arms train
+one after another here, one process, so the per-step figures are each arm's alone.
 
     python -m opdkit.stages.calibrate [--steps 30] [-S runtime.threads=1 ...]
 """
@@ -27,6 +30,7 @@ import yaml
 from opdkit.config import load_config as load_as_is, replace, to_dict
 from opdkit.recipes import load_config
 from opdkit.report import pipeline_arms, read_jsonl
+from opdkit.stages.jobs import default_workers
 
 
 def seconds_per_step(metrics: list[dict], skip: int) -> float:
@@ -42,6 +46,16 @@ def wall_matched(cfg, s_baseline: float, s_arm: float, every_points: int) -> tup
     """(steps, every_steps) of a control that trains as long as the baseline's budget.max_steps."""
     steps = max(1, round(cfg.budget.max_steps * s_baseline / s_arm))
     return steps, max(1, -(-steps // every_points))  # ceil: at most every_points checkpoints
+
+
+def stage_seconds(run_seconds: list[float], workers: int) -> float:
+    """Wall clock of runs of ``run_seconds`` on ``workers`` processes, started longest first, each
+    taking the first free process (the train stage's order)."""
+    free = [0.0] * max(1, workers)
+    for s in sorted(run_seconds, reverse=True):
+        i = free.index(min(free))
+        free[i] += s
+    return max(free)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     seeds = len(matrix.pipeline.seeds)
     steps_of = {a.name: a.steps for a in arms} | {c.name: c.steps for c in controls}
     train_s = {name: steps_of[name] * timing[name] * seeds for name in timing}
+    workers = default_workers(base_cfg.runtime.threads)
+    runs = [steps_of[name] * timing[name] for name in timing for _ in range(seeds)]
     result = {"seconds_per_step": timing, "baseline_budget_s": matrix.budget.max_steps * s_base,
               "train_seconds_per_arm": train_s, "train_seconds_total": sum(train_s.values()),
+              "train_stage_s": {"workers": workers, "seconds": round(stage_seconds(runs, workers), 1)},
               "calibration": {"steps": args.steps, "skip": args.skip, "threads": base_cfg.runtime.threads}}
     print(json.dumps(result, indent=2))
     print("# params.yaml, pipeline section:")

@@ -1,4 +1,6 @@
-"""DVC stages ``eval`` / ``eval_control``: evaluate every kept checkpoint of one training run.
+"""Evaluate every kept checkpoint of one training run (the pipeline's ``eval`` stage,
+``opdkit.stages.eval_runs``, runs the same commands for every run side by side, and its curves with
+``write_curve``).
 
 The final checkpoint (``checkpoint-<--steps>``, which must be the run's last) is evaluated into
 ``--out`` exactly as ``opdkit eval --model it --out OUT`` writes it (this driver calls that command, in
@@ -38,6 +40,38 @@ def curve_point(eval_json: Path, step: int, metrics: list[dict]) -> dict:
             "file": str(eval_json)}
 
 
+def check_last_step(run: Path, steps: int) -> list[Path]:
+    """The run's checkpoints (sorted by step); ``ValueError`` unless the last is ``checkpoint-<steps>``."""
+    checkpoints = list_checkpoints(run / "checkpoints")
+    if not checkpoints or step_of(checkpoints[-1]) != steps:
+        raise ValueError(f"{run}/checkpoints ends at {checkpoints[-1].name if checkpoints else 'no checkpoint'}, "
+                         f"expected checkpoint-{steps} (the arm's step budget)")
+    return checkpoints
+
+
+def write_curve(run: Path, curve_dir: Path, tags: dict, evaluated: list[tuple[int, Path]]) -> Path:
+    """``curve_dir/curve.json``: the tags, the run and a ``curve_point`` per (step, eval JSON)."""
+    metrics = read_jsonl(run / "metrics" / "train.jsonl")
+    points = [curve_point(out, step, metrics) for step, out in evaluated]
+    curve_dir.mkdir(parents=True, exist_ok=True)
+    path = curve_dir / "curve.json"
+    path.write_text(json.dumps({**tags, "run": str(run), "points": points}, indent=2) + "\n")
+    return path
+
+
+def eval_argv(checkpoint: Path, out: Path, data: str, tags: list[str], params: str | None,
+              overrides: list[str]) -> list[str]:
+    """The ``opdkit eval`` command line of one checkpoint (tagged with its step, then ``tags``)."""
+    return ["eval", "--model", str(checkpoint), "--out", str(out), "--tag", f"step={step_of(checkpoint)}",
+            "--data", data, "--quiet", *sum((["--tag", t] for t in tags), []),
+            *(["-p", params] if params else []), *sum((["-S", s] for s in overrides), [])]
+
+
+def eval_out(checkpoint: Path, steps: int, final: Path, curve_dir: Path) -> Path:
+    """Where a checkpoint's eval JSON goes: ``final`` for ``checkpoint-<steps>``, else the curve dir."""
+    return final if step_of(checkpoint) == steps else curve_dir / f"{checkpoint.name}.json"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opdkit.stages.eval_run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, help="an `opdkit train --out` directory")
@@ -50,26 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     run, curve_dir = Path(args.run), Path(args.curve_dir)
-    checkpoints = list_checkpoints(run / "checkpoints")
-    if not checkpoints or step_of(checkpoints[-1]) != args.steps:
-        print(f"opdkit.stages.eval_run: error: {run}/checkpoints ends at "
-              f"{checkpoints[-1].name if checkpoints else 'no checkpoint'}, expected checkpoint-{args.steps} "
-              "(the arm's step budget)", file=sys.stderr)
+    try:
+        checkpoints = check_last_step(run, args.steps)
+    except ValueError as e:
+        print(f"opdkit.stages.eval_run: error: {e}", file=sys.stderr)
         return 2
-    common = ["--data", args.data, "--quiet", *sum((["--tag", t] for t in args.tag), []),
-              *(["-p", args.params] if args.params else []), *sum((["-S", s] for s in args.overrides), [])]
-    metrics = read_jsonl(run / "metrics" / "train.jsonl")
-    points = []
+    evaluated = []
     for ck in checkpoints:
-        step = step_of(ck)
-        out = Path(args.out) if step == args.steps else curve_dir / f"{ck.name}.json"
-        status = opdkit_main(["eval", "--model", str(ck), "--out", str(out), "--tag", f"step={step}", *common])
+        out = eval_out(ck, args.steps, Path(args.out), curve_dir)
+        status = opdkit_main(eval_argv(ck, out, args.data, args.tag, args.params, args.overrides))
         if status:
             return status
-        points.append(curve_point(out, step, metrics))
-    tags = dict(t.partition("=")[::2] for t in args.tag)
-    curve_dir.mkdir(parents=True, exist_ok=True)
-    (curve_dir / "curve.json").write_text(json.dumps({**tags, "run": str(run), "points": points}, indent=2) + "\n")
+        evaluated.append((step_of(ck), out))
+    write_curve(run, curve_dir, dict(t.partition("=")[::2] for t in args.tag), evaluated)
     print(f"{run}: evaluated {', '.join(ck.name for ck in checkpoints)}; wrote {args.out} and {curve_dir / 'curve.json'}")
     return 0
 

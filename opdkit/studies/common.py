@@ -24,7 +24,7 @@ import torch
 
 from opdkit import paths
 from opdkit.config import Config, to_dict
-from opdkit.data import encode_prompt, load_examples
+from opdkit.data import encode_prompt, load_eval_examples
 from opdkit.models import load_model, load_tokenizer, pick_device, setup_torch
 from opdkit.engines.base import Rollout
 from opdkit.engines.hf import HFEngine
@@ -63,7 +63,7 @@ def prepare(cfg: Config, progress: bool = True) -> StudySetup:
     teacher = load_model(t_path, device, torch.float32, "teacher model")
     use_shared_vocab(tok, {"student model": (s_path, student), "teacher model": (t_path, teacher)},
                      log=print if progress else (lambda _: None))
-    examples = load_examples(d_path, cfg.data)[: cfg.studies.n_prompts]
+    examples = load_eval_examples([d_path])[: cfg.studies.n_prompts]  # every row: data.filters select training rows
     prompts = [encode_prompt(ex, tok, cfg.data) for ex in examples]
     G = cfg.studies.samples_per_prompt
     engine = HFEngine(student, tok, static_cache=cfg.rollout.static_cache)

