@@ -154,7 +154,9 @@ def test_a_failing_server_stops_the_step_loudly(fx, cut, hf, tmp_path, capsys, m
 def test_what_a_vllm_teacher_cannot_serve_is_refused_in_one_line(fx, cut, tmp_path, capsys):
     for extra, needle in ((["loss.name=rkl", f"teacher.path={cut}"], "needs the teacher's full distribution"),
                           (["loss.name=k1", f"teacher.path={fx / 'teacher'}"], "opdkit vocab-cut --model"),
-                          (["loss.name=k1", f"teacher.path={cut}", "teacher.url=localhost:8000"], "expected the base URL")):
+                          (["loss.name=k1", f"teacher.path={cut}", "teacher.url=localhost:8000"], "expected the base URL"),
+                          (["loss.name=k1", f"teacher.path={cut}", "data.pad_side=right", "runtime.unpadded_rows=false"],
+                           "scores each row unpadded")):
         rc = _cli("train", "--out", str(tmp_path / "x"), overrides=[f"student.path={fx / 'student'}",
                                                                       f"data.train={fx / 'data' / 'train.parquet'}",
                                                                       *TINY, "budget.max_steps=1", "teacher.source=vllm",

@@ -65,6 +65,9 @@ def check_params(cfg) -> str | None:
         return (f"loss.name={cfg.loss.name} needs the teacher's full distribution; teacher.source=vllm scores through "
                 "prompt log-probs, which give the sampled token and the top-k only: use k1, k2, k3 or topk_fkl, or "
                 "teacher.source=model")
+    if cfg.data.pad_side != "left":
+        return (f"data.pad_side={cfg.data.pad_side} lays the HF teacher's scored rows out with pads inside them; "
+                "teacher.source=vllm scores each row unpadded: use data.pad_side=left or teacher.source=model")
     urls = [cfg.teacher.url] if not cfg.teachers else [t.url for t in cfg.teachers]
     for url in urls:
         if url and not url.startswith(("http://", "https://")):
