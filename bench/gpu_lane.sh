@@ -7,6 +7,10 @@
 #   bash bench/gpu_lane.sh 1   # the default engine (vLLM) at the recipes' settings:
 #                              #   S1 (k1, full FT, 7,168 new tokens) 3 steps; vLLM serves its checkpoint-3
 #                              #   as published; the run resumed to step 4; S2 (LoRA, JSD, 1,024 tokens) 2 steps
+#   bash bench/gpu_lane.sh 3   # S1's step with the HF teacher vs the vLLM teacher (teacher.source=vllm, colocated
+#                              #   in its own engine process, the S1 teacher cut to the tokenizer's ids by opdkit
+#                              #   vocab-cut), both with the HF engine's static-cache decoder, 3 steps at 512 new
+#                              #   tokens: BENCHMARKS.md's teacher table. LANE_BUDGET_S=170 keeps it under 3 minutes
 #   bash bench/gpu_lane.sh 2   # temperature 0.6 / top-p 0.95 through vLLM, then the HF engine (static-cache
 #                              #   decoder) at both settings, S1 at 1,024 new tokens there (not 7,168: the device
 #                              #   time), no resume (call 1 resumes); then the GPU tests
@@ -16,7 +20,7 @@
 # lane.md (the table), tests.txt. Runs live in /dev/shm when it has room (a 1.78B full-FT trainer state
 # is ~21 GB), and each is deleted once done with.
 set -uo pipefail
-PHASE=${1:?usage: bash bench/gpu_lane.sh 1|2}
+PHASE=${1:?usage: bash bench/gpu_lane.sh 1|2|3}
 OUT=${OUT:-/tmp/out}
 BUDGET=${LANE_BUDGET_S:-470}
 START=$(date +%s)
@@ -45,14 +49,28 @@ L="python3 bench/real_lane.py"
 A="--root $R --out $OUT${LANE_TINY:+ --tiny}"  # LANE_TINY=1: the CPU dry run (tiny shapes, HF engine)
 log "runs in $R ($(df -h --output=avail "$(dirname $R)" | tail -1) free)"
 [ -f .lane/tokenizer.json.xz ] || log "no .lane/tokenizer.json.xz: carry .lane (bash bench/lane_assets.sh makes it)"
-step prepare 150 30 $L prepare --root $R --assets .lane${LANE_TINY:+ --tiny}
+step prepare 150 30 $L prepare --root $R --assets .lane${LANE_TINY:+ --tiny}$([ "$PHASE" = 3 ] && echo " --pairs s1")
 rm -rf "$R/runs"  # runs of an earlier call on this machine
 VLLM="-S rollout.engine=vllm"
 HF="-S rollout.engine=hf"
 HOT="-S rollout.temperature=0.6 -S rollout.top_p=0.95"
 SHORT="-S rollout.max_new_tokens=1024"
 
-if [ "$PHASE" = 1 ]; then
+if [ "$PHASE" = 3 ]; then  # the teacher in vLLM: same student, same rollouts engine, same 3 steps
+  T512="-S rollout.max_new_tokens=512"
+  [ -d "$R/s1/teacher-cut" ] || step vocab_cut 40 10 python3 -m opdkit vocab-cut --model "$R/s1/teacher" --out "$R/s1/teacher-cut"
+  ( while sleep 5; do nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; done > "$OUT/gpu_mem.txt" 2>/dev/null ) &
+  MON=$!  # the GPU's memory in use every 5 s: the teacher's engine process is not in the trainer's peak_mem_gb
+  step s1_teacher_vllm 110 60 $L train $A --name s1_teacher_vllm --recipe s1 --steps 3 $HF $T512 \
+    -S teacher.source=vllm -S teacher.path="$R/s1/teacher-cut" -S teacher.gpu_memory_utilization=0.15
+  log "GPU memory in use during s1_teacher_vllm, max: $(sort -n "$OUT/gpu_mem.txt" | tail -1) MiB"
+  rm -rf "$R/runs/s1_teacher_vllm"
+  : > "$OUT/gpu_mem.txt"
+  step s1_teacher_hf 75 40 $L train $A --name s1_teacher_hf --recipe s1 --steps 3 $HF $T512
+  log "GPU memory in use during s1_teacher_hf, max: $(sort -n "$OUT/gpu_mem.txt" | tail -1) MiB"
+  kill $MON 2>/dev/null
+  rm -rf "$R/runs/s1_teacher_hf"
+elif [ "$PHASE" = 1 ]; then
   step s1_vllm 300 150 $L train $A --name s1_vllm --recipe s1 --steps 3 $VLLM
   step vllm_load 90 40 $L vllm-load --ckpt "$R/runs/s1_vllm/checkpoints/checkpoint-3" --out "$OUT"
   step s1_vllm_resume 200 100 $L train $A --name s1_vllm --recipe s1 --steps 4 $VLLM
@@ -75,6 +93,8 @@ else  # the most informative first: what does not fit in the budget is skipped, 
   # the real vLLM engine at 0.6 / 0.95 on a model with padding rows; CUDA-graph decoding against eager
   step tests 150 60 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rA \
     tests/test_vllm_engine.py::test_vllm_samples_the_live_student tests/test_gpu.py tests/test_decode.py \
+    tests/test_vllm_teacher.py::test_the_colocated_vllm_teacher_agrees_with_the_hf_teacher \
+    tests/test_teachers.py::test_a_teacher_on_the_cpu_beside_a_student_on_the_gpu \
     --junitxml="$OUT/tests.xml"
   python3 - "$OUT/tests.xml" > "$OUT/tests.txt" 2>&1 <<'EOF'
 import sys, xml.etree.ElementTree as ET

@@ -1,7 +1,7 @@
 """The GPU lane's python parts: what a user runs, on Qwen2.5 / Qwen3-shaped random-init models with
 the real Qwen2.5 tokenizer (bench/gpu_lane.sh calls these; each writes its result the moment it has one).
 
-    python bench/real_lane.py prepare --root R --assets .lane [--tiny]
+    python bench/real_lane.py prepare --root R --assets .lane [--tiny] [--pairs s1 s2]
     python bench/real_lane.py train --root R --name NAME --recipe s1|s2 --steps N [-S key=value ...] --out OUT
     python bench/real_lane.py vllm-load --ckpt DIR --out OUT
     python bench/real_lane.py report --out OUT

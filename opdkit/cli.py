@@ -174,7 +174,8 @@ def cmd_train(args) -> int:
             print(f"warning: {w.check}: {w.detail}")
         with _device_lock(cfg, shared=True):  # free for training now (an evaluation holds it: exit 75)
             pass
-        print(f"inputs ok: student {inputs.student_path}, teacher {inputs.teacher_path}, data {inputs.train_path} "
+        teacher = ", ".join(map(str, inputs.teacher_paths.values())) or cfg.teacher.source
+        print(f"inputs ok: student {inputs.student_path}, teacher {teacher}, data {inputs.train_path} "
               f"({len(inputs.examples)} rows); {out} is free")
         return 0
     from opdkit import distributed
@@ -219,6 +220,19 @@ def cmd_train(args) -> int:
         return 128 + sig
     if world.is_main:
         print(json.dumps(result.__dict__))
+    return 0
+
+
+def cmd_vocab_cut(args) -> int:
+    from opdkit.engines.vllm_teacher import vocab_cut
+
+    try:
+        made = vocab_cut(args.model, args.out)
+    except (FileExistsError, ValueError) as e:
+        print(f"opdkit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"wrote {made['dst']}: {made['src']} with its embedding and head cut from {made['rows']:,} rows to the "
+          f"tokenizer's {made['ids']:,} ids ({', '.join(made['cut'])}); serve it with vllm serve {made['dst']}")
     return 0
 
 
@@ -317,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only validate the inputs and OUT (exit 0, 2 or 75); writes nothing")
     _add_params(p)
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("vocab-cut", help="copy an HF checkpoint with its embedding and head cut to the tokenizer's ids "
+                       "(a teacher for teacher.source=vllm, whose prompt log-probs count every row)")
+    p.add_argument("--model", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new directory")
+    p.set_defaults(fn=cmd_vocab_cut)
 
     p = sub.add_parser("validate", help="exit 0 if DIR is a complete loadable checkpoint (each DIR, if several)")
     p.add_argument("dir", nargs="+")

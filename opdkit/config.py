@@ -36,12 +36,38 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TeacherConfig:
     path: str = ""  # HF directory; "" = the embedded teacher (ignored by privileged sources)
-    # model: a separate frozen model; privileged_fixed / privileged_ema / privileged_live: the
-    # student itself, given the reference solution in its prompt (fixed initial copy, EMA, live).
+    # model: a separate frozen HF model; vllm: the teacher in vLLM, scoring through prompt log-probs
+    # (opdkit.engines.vllm_teacher: a colocated engine, or the server at `url`); privileged_fixed /
+    # privileged_ema / privileged_live: the student itself, given the reference solution in its prompt
+    # (fixed initial copy, EMA, live).
     source: str = "model"
     ema_decay: float = 0.99  # privileged_ema: teacher <- decay*teacher + (1-decay)*student per step
+    # source=model: where the teacher's weights live and it runs; "" = the student's device. cpu | cuda |
+    # cuda:N (one process: a student on cuda:0 and the teacher on cuda:1); its scores move to the student's.
+    device: str = ""
+    # source=vllm: "" = a vLLM engine in its own process on the student's GPU (asleep between scorings);
+    # else the base URL of a vLLM OpenAI-compatible server serving the teacher (`vllm serve DIR`)
+    url: str = ""
+    gpu_memory_utilization: float = 0.3  # source=vllm, colocated: the engine's share of the GPU
+    timeout_s: float = 120.0  # source=vllm with a url: seconds to wait for one scoring request
     # What the teacher returns follows from loss.name (opdkit.loss_table): sampled-token log-probs
     # (k1, k2, k3, sft), top-k (topk_fkl, K = loss.topk) or the full vocabulary (fkl, rkl, jsd; chunked).
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """One of several teachers (params key ``teachers``): the rows whose ``data.teacher_column`` is
+    ``name`` are scored by the model at ``path`` (or, with teacher.source=vllm, the server at ``url``,
+    "" = a colocated engine), with every other teacher.* setting shared."""
+
+    name: str = ""
+    path: str = ""
+    url: str = ""
+
+    def __post_init__(self):
+        if not self.name or not self.path:
+            raise ConfigError(f"params key 'teachers': each entry needs a name and a path (an HF directory); got "
+                              f"name={self.name!r}, path={self.path!r}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +113,7 @@ class DataConfig:
     # student sampled) | right ([prompt][pads][completion], the pads consuming RoPE positions: the released
     # OPSD collator's layout, for replaying its offset; the alignment check then fails unless switched off)
     pad_side: str = "left"
+    teacher_column: str = ""  # with `teachers`: the column naming each row's teacher (one of their names)
 
 
 @dataclass(frozen=True)
@@ -120,6 +147,12 @@ class LossConfig:
     # released OPSD temper the teacher by their sampling temperature too; the student is the policy it samples)
     teacher_temperature: float = 1.0
     sft_source: str = "teacher"  # sft control: teacher samples | reference solutions
+    # OPD plus a verifiable reward (opdkit.rewards): lambda times each completion's 0/1 grade against its
+    # row's answer, centred by its prompt's G samples, in k1's per-token advantage or, for the other
+    # losses, a policy-gradient term beside them. 0 = off (no grading: the plain OPD update)
+    reward_weight: float = 0.0
+    reward_baseline: str = "mean"  # mean (GRPO: the group's mean) | loo (leave-one-out: the other G-1 samples' mean)
+    reward_norm: str = "none"  # none | std (divided by the group's standard deviation + 1e-6, as GRPO)
 
 
 @dataclass(frozen=True)
@@ -302,6 +335,9 @@ class Config:
     tracking: str = "auto"
     student: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    # several teachers, each prompt routed to the one its row names (data.teacher_column); () = the one
+    # teacher of teacher.path
+    teachers: tuple[TeacherSpec, ...] = ()
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -322,7 +358,7 @@ TRACKERS = ("auto", "dvclive", "tensorboard", "none")  # the params key `trackin
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "tracking": TRACKERS,
-    "teacher.source": ("model", "privileged_fixed", "privileged_ema", "privileged_live"),
+    "teacher.source": ("model", "vllm", "privileged_fixed", "privileged_ema", "privileged_live"),
     "data.prompt_format": PROMPT_FORMATS,
     "data.order": ("shuffled", "stored"),
     "data.teacher_context": ("solution", "cot", "both"),
@@ -336,6 +372,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "loss.name": LOSS_NAMES,
     "loss.clip": ("none", "entry", "token"),
     "loss.sft_source": SFT_SOURCES,
+    "loss.reward_baseline": ("mean", "loo"),
+    "loss.reward_norm": ("none", "std"),
     "optim.schedule": ("constant", "linear", "cosine", "wallclock_cosine"),
     "runtime.device": ("auto", "cpu", "cuda"),
     "runtime.dtype": ("auto", "float32", "bfloat16"),

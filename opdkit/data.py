@@ -34,7 +34,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from opdkit.config import PROMPT_FORMATS, DataConfig
@@ -80,6 +80,8 @@ class Example:
     solution: str = ""
     source: str = ""
     cot: str = ""  # a long verified reasoning trace (OpenThoughts-style COT_Reason), where the row has one
+    teacher: str = ""  # the teacher this row names (data.teacher_column with several teachers; "" = the one teacher)
+    row: int = field(default=-1, compare=False)  # its row in the data file (for error messages; not part of the row)
 
     @property
     def problem_text(self) -> str:
@@ -173,8 +175,11 @@ def _value(row: dict, *names: str):
     return None if key is None else row[key]
 
 
-def normalize_row(row: dict, index: int, path: str) -> Example:
+def normalize_row(row: dict, index: int, path: str, teacher_column: str = "") -> Example:
+    """The row as an ``Example``; ``teacher_column``: the column whose value names its teacher."""
     where = f"data file {path}, row {index}"
+    teacher = row.get(teacher_column) if teacher_column else ""
+    teacher = "" if teacher is None else str(teacher)
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     rid = next((str(v) for v in (_value(row, "id", "uuid", "unique_id", "problem_idx"), extra.get("index"))
                 if v not in (None, "")), str(index))
@@ -189,7 +194,7 @@ def normalize_row(row: dict, index: int, path: str) -> Example:
         answer = _answer_text(_value(row, "answer"), where) or _last_boxed(solution)
         if not answer:
             raise DataError(f"{where}: no 'answer' and no \\boxed{{}} answer in 'solution'")
-        return Example(rid, problem, answer, solution, source, str(_value(row, "COT_Reason") or ""))
+        return Example(rid, problem, answer, solution, source, str(_value(row, "COT_Reason") or ""), teacher, index)
     if "prompt" not in row:
         raise DataError(f"{where} is in none of the known row shapes: expected a 'prompt' column (text, or chat "
                         "messages as in DAPO-Math-17k) or a 'problem' / 'question' column (MATH-500, OpenThoughts, "
@@ -208,7 +213,8 @@ def normalize_row(row: dict, index: int, path: str) -> Example:
         answer = _answer_text(rm.get("ground_truth"), where)
     if answer is None:
         raise DataError(f"{where}: no ground-truth answer (expected an 'answer' column or reward_model.ground_truth)")
-    return Example(rid, prompt, answer, str(row.get("solution") or ""), source, str(_value(row, "COT_Reason") or ""))
+    return Example(rid, prompt, answer, str(row.get("solution") or ""), source, str(_value(row, "COT_Reason") or ""),
+                   teacher, index)
 
 
 REFERENCES = ("solution", "cot")  # data.filters.reference, and what data.teacher_context draws on
@@ -266,19 +272,39 @@ def select(examples: list[Example], data: DataConfig,
     return rows[: data.max_rows] if data.max_rows else rows
 
 
-def _read_examples(path: str | Path) -> list[Example]:
+def check_teachers(examples: list[Example], path, column: str, teachers: tuple[str, ...]) -> None:
+    """Every selected row names one of ``teachers`` in ``column`` (several teachers: ``teachers``,
+    ``data.teacher_column``); else a ``DataError`` naming the file, the first such row and the names."""
+    known = set(teachers)
+    bad = [ex for ex in examples if ex.teacher not in known]
+    if bad:
+        ex = bad[0]
+        named = f"names teacher {ex.teacher!r}" if ex.teacher else f"names no teacher (no value in column {column!r})"
+        raise DataError(f"data file {path}, row {ex.row} (id {ex.id}) {named}, which is not one of the teachers of "
+                        f"params key 'teachers': {', '.join(teachers)} ({len(bad)} of {len(examples)} selected rows are "
+                        f"like it); give each row one of those names in column {column!r} (data.teacher_column)")
+
+
+def _read_examples(path: str | Path, teacher_column: str = "", need_column: bool = False) -> list[Example]:
+    """Every row of the file; ``need_column``: the file must have ``teacher_column``."""
     rows = read_table(path)
     if not rows:
         raise DataError(f"data file {path} has no rows")
-    return [normalize_row(r, i, str(path)) for i, r in enumerate(rows)]
+    if need_column and not any(teacher_column in r for r in rows):
+        raise DataError(f"data file {path} has no column {teacher_column!r} (data.teacher_column: the column naming "
+                        f"each row's teacher); its columns: {sorted(rows[0])}")
+    return [normalize_row(r, i, str(path), teacher_column) for i, r in enumerate(rows)]
 
 
 def load_examples(path: str | Path, data: DataConfig, *, require: tuple[str, ...] = (),
-                  tokenizer=None) -> list[Example]:
+                  tokenizer=None, teachers: tuple[str, ...] | None = None) -> list[Example]:
     """Training rows: read, normalise and select (``tokenizer``: the student's, when the filters count
     tokens); an empty result, or a selected row without a reference named in ``require``
-    ("solution", "cot"), is an error that says why."""
-    examples = _read_examples(path)
+    ("solution", "cot"), is an error that says why. ``data.teacher_column`` (several teachers) is
+    read where the file has it; with ``teachers`` (the training data) the file must have it and every
+    selected row must name one of them."""
+    column = data.teacher_column if teachers is not None else ""
+    examples = _read_examples(path, data.teacher_column, need_column=bool(column))
     chosen = select(examples, data, token_counter(tokenizer) if tokenizer is not None else None)
     if not chosen:
         raise DataError(f"data file {path}: all {len(examples)} rows were removed by data.filters / data.max_rows")
@@ -288,6 +314,8 @@ def load_examples(path: str | Path, data: DataConfig, *, require: tuple[str, ...
             raise DataError(f"data file {path}: this run needs {_REFERENCE_COLUMNS[which]} in every row, but "
                             f"{len(missing)} of {len(chosen)} selected rows have none (first: id {missing[0]}); "
                             f"drop them with -S data.filters.reference={which} -S data.filters.min_reference_tokens=1")
+    if column:
+        check_teachers(chosen, path, column, teachers)
     return chosen
 
 
@@ -308,8 +336,9 @@ def load_eval_examples(paths: list[str | Path]) -> list[Example]:
 def fingerprint(examples: list[Example]) -> str:
     """sha256 over the selected examples (what a run trained on, independent of file format)."""
     h = hashlib.sha256()
-    for ex in examples:
-        fields = [ex.id, ex.prompt, ex.answer, ex.solution, ex.source] + ([ex.cot] if ex.cot else [])
+    for ex in examples:  # a row's teacher counts where it names one (one teacher: as before)
+        fields = ([ex.id, ex.prompt, ex.answer, ex.solution, ex.source] + ([ex.cot] if ex.cot else [])
+                  + ([ex.teacher] if ex.teacher else []))
         h.update(json.dumps(fields, sort_keys=True).encode())
     return h.hexdigest()
 

@@ -14,7 +14,12 @@ the compute dtype, both scored over the shared vocabulary), on one batch of the 
   vLLM where it is installed and the device is CUDA;
 - self KL: the student as its own teacher through the loss path (``opd.score_batch`` +
   ``opd.micro_losses``) must give KL ~ 0;
-- teacher repeat: the teacher scores the batch twice, identically (no dropout, no nondeterminism).
+- teacher repeat: the teacher scores the batch twice, identically (no dropout, no nondeterminism);
+- alignment (vllm teacher), with ``teacher.source=vllm``: the vLLM teacher (its server, or the
+  colocated engine) scores the batch and its log-probs of the sampled tokens must match the HF
+  teacher's (the same directory, loaded here) within the bf16 alignment tolerance
+  (``runtime.alignment_tol_bf16``): a server serving another model, a checkpoint with padding rows,
+  a shifted answer fail. (Every training step checks each answer's layout: ``engines.vllm_teacher``.)
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from opdkit.pairs import FAIL, OK, SKIP, WARN, Finding, Inputs
 from opdkit.setup import RunError, check_params
 from opdkit.teacher import AlignmentError
 
-LIVE_CHECKS = ("memory", "alignment (hf)", "self KL", "teacher repeat", "alignment (vllm)")
+LIVE_CHECKS = ("memory", "alignment (hf)", "self KL", "teacher repeat", "alignment (vllm)")  # + "alignment (vllm teacher)"
 
 
 def diagnose(cfg: Config, log=lambda _: None) -> list[Finding]:
@@ -84,7 +89,7 @@ def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[
         student = load_model(inputs.student_path, device, dtype, "student model", trainable=True)
         models = {"student model": (inputs.student_path, student)}
         teacher = None
-        if inputs.teacher_path is not None:
+        if inputs.teacher_path is not None and has_weights(inputs.teacher_path):  # a served teacher may have none here
             teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
             models["teacher model"] = (inputs.teacher_path, teacher)
         pairs.use_shared_vocab(tok, models, log=lambda _: None)
@@ -104,6 +109,8 @@ def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[
     log("scoring the batch: the student against itself, the teacher twice")
     out.append(self_kl_finding(cfg_self, student, own, ac, tol))
     out.append(teacher_repeat_finding(cfg_self, teacher, own, ac, tol))
+    if cfg.teacher.source == "vllm":
+        out.append(vllm_teacher_finding(cfg, inputs, teacher, own, device, ac, log))
     out.append(vllm_finding(cfg, student, tok, examples, prompts, dtype, device, ac, log))
     return out
 
@@ -117,7 +124,7 @@ def sample_batch(cfg: Config, student, tok, examples, prompts, ac) -> opd.Batch:
     with ac():
         ro = engine.sample(prompts, samples_per_prompt=1, seeds=opd.step_seeds(cfg.seed, 0, len(prompts)),
                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=n)
-    if cfg.teacher.source == "model":
+    if not cfg.teacher.source.startswith("privileged"):
         return opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
     priv = [encode_prompt(ex, tok, cfg.data, privileged=True) for ex in examples]
     return opd.Batch(ro, *left_pad(priv, tok.pad_token_id, ro.completion_ids_B_T.device))
@@ -172,6 +179,41 @@ def teacher_repeat_finding(cfg: Config, teacher, batch: opd.Batch, ac, tol: floa
                    "load the teacher in eval mode with deterministic kernels (torch.use_deterministic_algorithms)")
 
 
+def has_weights(path) -> bool:
+    from opdkit.models import WEIGHT_FILES
+
+    return any((path / f).is_file() for f in WEIGHT_FILES)
+
+
+def vllm_teacher_finding(cfg: Config, inputs: Inputs, teacher, batch: opd.Batch, device, ac, log) -> Finding:
+    check = "alignment (vllm teacher)"
+    if cfg.teachers:
+        return Finding(check, SKIP, "several teachers: run the doctor on each (its path as teacher.path, its url as "
+                       "teacher.url)")
+    if teacher is None:
+        return Finding(check, SKIP, f"{inputs.teacher_path} holds no weights to compare the served teacher with")
+    from opdkit.engines import vllm_teacher
+
+    log(f"scoring the batch with the vLLM teacher ({cfg.teacher.url or 'colocated engine'})")
+    try:
+        scorer = vllm_teacher.make_teachers(cfg, inputs, device, log)
+        got = torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, scorer, batch, ac)])
+    except (vllm_teacher.VLLMTeacherError, ImportError, RuntimeError, ValueError) as e:
+        return Finding(check, FAIL, f"the vLLM teacher could not score the batch: {type(e).__name__}: {e}",
+                       "start the server (vllm serve DIR --max-logprobs K) or install vLLM; see the message")
+    want = torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, teacher, batch, ac)])
+    m_B_T = batch.rollout.completion_mask_B_T.bool()
+    d_N = (got.to(want.device) - want)[m_B_T].abs()
+    d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
+    tol_max, tol_mean = cfg.runtime.alignment_tol_bf16
+    detail = (f"{int(m_B_T.sum())} sampled tokens, |vLLM teacher - HF teacher log-prob| max {d_max:.2g}, mean "
+              f"{d_mean:.2g} (allowed at bf16: max {tol_max:g}, mean {tol_mean:g})")
+    if d_max <= tol_max and d_mean <= tol_mean:
+        return Finding(check, OK, detail)
+    return Finding(check, FAIL, detail, f"the vLLM teacher is not the HF teacher of {inputs.teacher_path}: serve that "
+                   "checkpoint (cut to the tokenizer's ids: opdkit vocab-cut), or fix teacher.url")
+
+
 def vllm_finding(cfg: Config, student, tok, examples, prompts, dtype, device, ac, log) -> Finding:
     if not vllm_engine.available():
         return Finding("alignment (vllm)", SKIP, "vLLM is not installed here (pip install 'opdkit[vllm]'); training "
@@ -188,13 +230,13 @@ def memory_finding(cfg: Config, inputs: Inputs, prompts: list[list[int]], device
     """The estimate for a step whose prompts are as long as the longest of ``prompts``."""
     prompt_tokens = max(map(len, prompts))
     student = model_shape(inputs.student_path, cfg.lora)
-    teacher = model_shape(inputs.teacher_path) if inputs.teacher_path is not None else None
+    teacher = [model_shape(p) for p in inputs.teacher_paths.values()] or None
     total, free = device_memory(device)
     parts = estimate(cfg, student, teacher, prompt_tokens, device, engine_name(cfg, device), total)
     need = peak(parts)
     phases = {phase: f"{phase} {_size(sum(items.values()))} ({', '.join(f'{k} {_size(v)}' for k, v in items.items())})"
               for phase, items in parts.items() if items}
-    larger = " and ".join(phases[p] for p in ("rollout", "update") if p in phases)
+    larger = " and ".join(phases[p] for p in ("rollout", "update", "score") if p in phases)
     detail = (f"estimate {_size(need)} at a step's peak, of {_size(total)} {'GPU' if device.type == 'cuda' else 'RAM'} "
               f"({_size(free)} free) on {device}, one process, for the longest prompt of the {len(prompts)} checked "
               f"({prompt_tokens} tokens): {phases['held']} + the larger of {larger}. An estimate: allocator "

@@ -9,6 +9,10 @@ seeded S1 evaluators ran their rule grader with CompassVerifier (a model-based v
 fallback; math-verify is the fallback that runs here. Each graded record says which one accepted
 it (``graded_by``: ``rule`` | ``verifier`` | None when neither did).
 
+A grading *failure* (an exception inside the comparison, e.g. sympy raising on an answer) is "not
+equal" for ``opdkit eval`` (``strict=False``); with ``strict=True`` (the training reward,
+``opdkit.rewards``) it raises ``GradingError`` instead, so a failure is never silently a zero.
+
 math-verify bounds its parse and compare steps with ``signal.alarm`` timeouts (5 s each), which
 only work in the main thread of a process. So ``grade_answer`` refuses to run in another thread,
 and ``grade_many`` parallelises with processes, never threads.
@@ -95,8 +99,13 @@ def normalize_answer(s: str) -> str:
     return s
 
 
-def _math_verify_equal(pred: str, gold: str) -> bool:
-    """math-verify equivalence of two bare answers; any failure inside math-verify -> False."""
+class GradingError(RuntimeError):
+    """The grader failed instead of giving a verdict (``strict=True``)."""
+
+
+def _math_verify_equal(pred: str, gold: str, strict: bool = False) -> bool:
+    """math-verify equivalence of two bare answers; any failure inside math-verify -> False
+    (``strict``: ``GradingError``)."""
     from math_verify import parse, verify  # imported lazily: pulls in sympy/antlr (~1 s)
     from math_verify.errors import TimeoutException
 
@@ -109,7 +118,9 @@ def _math_verify_equal(pred: str, gold: str) -> bool:
         # Gold first: verify(gold, target) is asymmetric (assignments like "x=5" and equation
         # intervals are simplified on the gold side only).
         return bool(verify(parse(gold_wrapped), parse(pred_wrapped)))
-    except (Exception, TimeoutException):
+    except (Exception, TimeoutException) as e:
+        if strict:
+            raise GradingError(f"math-verify raised {type(e).__name__}: {e}") from e
         # Model outputs are arbitrary text and sympy can raise almost anything on them
         # (RecursionError, TypeError, OverflowError, a TimeoutException (a BaseException) from a
         # late alarm). A grading failure must never crash an eval: the answer is just "not
@@ -122,11 +133,12 @@ def rule_equal(pred: str, gold: str) -> bool:
     return normalize_answer(pred) == normalize_answer(gold)
 
 
-def accepted_by(pred: str | None, gold: str) -> str | None:
+def accepted_by(pred: str | None, gold: str, strict: bool = False) -> str | None:
     """Which grader accepts ``pred`` for ``gold``: ``"rule"``, else ``"verifier"`` (math-verify, asked only
     when the rule grader says no), else None (wrong; also for a None/empty ``pred``).
 
     Must run in a process's main thread (math-verify's timeouts use ``signal.alarm``).
+    ``strict``: a failure inside math-verify raises ``GradingError`` (else it is None: not accepted).
     """
     if pred is None or not pred.strip():
         return None
@@ -137,12 +149,13 @@ def accepted_by(pred: str | None, gold: str) -> str | None:
             "grade_answer must run in the main thread (math-verify times out with signal.alarm); "
             "use grade_many(..., processes=N) to parallelise instead of threads"
         )
-    return "verifier" if _math_verify_equal(pred, gold) else None
+    return "verifier" if _math_verify_equal(pred, gold, strict) else None
 
 
-def grade_answer(pred: str | None, gold: str) -> bool:
-    """True if the extracted answer ``pred`` is equivalent to ``gold`` (rule grader, then verifier)."""
-    return accepted_by(pred, gold) is not None
+def grade_answer(pred: str | None, gold: str, strict: bool = False) -> bool:
+    """True if the extracted answer ``pred`` is equivalent to ``gold`` (rule grader, then verifier);
+    ``strict``: a failure inside math-verify raises ``GradingError`` (else it is False)."""
+    return accepted_by(pred, gold, strict) is not None
 
 
 _ANSWER_LINE_RE = re.compile(r"^\s*\**Answer\**\s*:\s*(.+?)\s*$", re.MULTILINE)

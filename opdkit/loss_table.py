@@ -64,6 +64,10 @@ class LossSpec:
     metrics: tuple[str, ...]  # the keys of the metrics it returns
     divergence: str  # the divergence whose gradient its expected gradient is
     summary: str  # one line for the CLI help
+    # where loss.reward_weight's reward goes (opdkit.rewards): advantage (added to the per-token advantage;
+    # the function takes ``reward_adv_B_T``) | term (a reward-weighted policy-gradient term beside it,
+    # token_losses.reward_pg_loss) | none (refused: not the student's samples)
+    reward: str = "term"
 
 
 def _clip_params(L) -> dict:
@@ -74,7 +78,7 @@ LOSSES: dict[str, LossSpec] = {s.name: s for s in (
     LossSpec("k1", "k1_loss", _TOKEN, "token", lambda L: {"clip_eps": L.clip_eps, "dual_clip": L.dual_clip},
              ("kl", "advantage_mean", "ratio_clipped_frac", "dual_clipped_frac", "ratio_max", "tokens"),
              "KL(p_S || p_T)", "PPO policy gradient, per-token advantage log p_T - log p_S (loss.clip_eps, "
-             "loss.dual_clip)"),
+             "loss.dual_clip)", reward="advantage"),
     LossSpec("k2", "k2_loss", _TOKEN, "token", lambda L: {}, ("kl", "k2", "ratio_max", "tokens"),
              "KL(p_S || p_T)", "1/2 (log p_S - log p_T)^2 of each sampled token, differentiated directly"),
     LossSpec("k3", "k3_loss", _TOKEN, "token", lambda L: {}, ("kl", "k3", "ratio_max", "tokens"),
@@ -93,7 +97,7 @@ LOSSES: dict[str, LossSpec] = {s.name: s for s in (
              "generalized JSD of GKD (loss.jsd_beta: 0 forward KL, 1 reverse KL)"),
     LossSpec("sft", "sft_loss", ("logp_B_T", "mask_B_T", "n_tokens"), "token", lambda L: {}, ("nll", "tokens"),
              "KL(p_data || p_S) (cross-entropy)", "control: supervised NLL of teacher samples or reference "
-             "solutions (loss.sft_source)"),
+             "solutions (loss.sft_source)", reward="none"),
 )}
 LOSS_NAMES = tuple(LOSSES)
 
@@ -118,10 +122,13 @@ def update_policy(L, R) -> tuple[float, float]:
 
 def reads_sampling_logp(L, R) -> bool:
     """Whether loss config ``L`` (rollout config ``R``) reads the sampling-time log-probs: the loss's
-    function (``old_logp_B_T``), or the sft control's ``kl`` from the recorded teacher log-probs
-    (``teacher_need`` = ``recorded``). The engines need record them only then (and for the first
-    batch's alignment check)."""
-    return "old_logp_B_T" in spec(L.name).inputs or teacher_need(L, R) == "recorded"
+    function (``old_logp_B_T``), the reward's policy-gradient term (``loss.reward_weight`` > 0 with
+    ``reward="term"``: its importance ratio), or the sft control's ``kl`` from the recorded teacher
+    log-probs (``teacher_need`` = ``recorded``). The engines need record them only then (and for the
+    first batch's alignment check)."""
+    s = spec(L.name)
+    return ("old_logp_B_T" in s.inputs or (L.reward_weight != 0 and s.reward == "term")
+            or teacher_need(L, R) == "recorded")
 
 
 def teacher_need(L, R) -> str:

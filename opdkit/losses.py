@@ -48,7 +48,7 @@ import math
 import torch
 
 from opdkit.token_losses import (_check_n_tokens, _floats, _mean, k1_loss, k2_loss, k3_loss,  # noqa: F401
-                                 masked_sum, sft_loss)
+                                 masked_sum, reward_pg_loss, sft_loss)
 
 Tensor = torch.Tensor
 CLIPS = ("none", "entry", "token")

@@ -4,8 +4,11 @@ What a step holds, as ``opdkit.setup`` / ``opdkit.opd`` hold it (one process, no
 
 - all the time: the student's fp32 master weights (compute in bf16 comes from autocast), the
   AdamW moments of the trainable parameters (two fp32 tensors each), the teacher's weights in the
-  compute dtype (a privileged teacher: an fp32 copy of the student, or none), and the CUDA static
+  compute dtype (each of several teachers'; none here with ``teacher.device`` elsewhere or a vLLM
+  teacher; a privileged teacher: an fp32 copy of the student, or none), and the CUDA static
   decoder's bf16 copy of the student;
+- while scoring, with a colocated vLLM teacher: its share of the GPU
+  (``teacher.gpu_memory_utilization``; asleep, with its weights in CPU memory, otherwise);
 - while rolling out: the KV cache of one decode call (``rollout.batch_size`` rows, else the
   step's), or vLLM's share of the GPU (``rollout.gpu_memory_utilization``);
 - while updating: the fp32 gradients, the activations autograd saves for one micro-batch, and one
@@ -83,11 +86,14 @@ def activation_bytes_per_token(s: ModelShape, compute_bytes: int, checkpointing:
     return s.layers * layer
 
 
-def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | None, prompt_tokens: int,
+def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | list[ModelShape] | None, prompt_tokens: int,
              device: torch.device, engine: str, device_total: int) -> dict[str, dict[str, int]]:
-    """Bytes by phase: ``{"held": ..., "rollout": ..., "update": ...}``, each ``{part: bytes}``.
-    The peak is ``held + max(rollout, update)`` (``peak``). ``prompt_tokens``: the longest prompt
-    of a step; ``engine``: ``hf`` or ``vllm`` as resolved for ``device``."""
+    """Bytes by phase: ``{"held": ..., "rollout": ..., "update": ..., "score": ...}``, each ``{part:
+    bytes}``. The peak is ``held`` + the largest phase (``peak``). ``teacher``: its shape, or each of
+    several teachers'; ``prompt_tokens``: the longest prompt of a step; ``engine``: ``hf`` or
+    ``vllm`` as resolved for ``device``."""
+    teachers = teacher if isinstance(teacher, list) else [teacher] if teacher is not None else []
+    teacher = teachers[0] if teachers else None
     R, O = cfg.rollout, cfg.optim
     cuda = device.type == "cuda"
     compute = 2 if cuda and cfg.runtime.dtype != "float32" else 4
@@ -95,8 +101,14 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | None, promp
     tokens = prompt_tokens + R.max_new_tokens
     held = {"student fp32 weights": 4 * student.params, "AdamW moments (fp32)": 8 * student.trainable}
     src = cfg.teacher.source
-    if src == "model" and teacher is not None:
-        held[f"teacher weights ({'bf16' if compute == 2 else 'fp32'})"] = compute * teacher.params
+    score = {}
+    if src == "model" and teachers and _here(cfg.teacher.device, device):
+        for i, t in enumerate(teachers):
+            held[f"teacher{f' {i + 1}' if len(teachers) > 1 else ''} weights ({'bf16' if compute == 2 else 'fp32'})"] = (
+                compute * t.params)
+    elif src == "vllm" and cuda and not cfg.teacher.url:
+        score[f"the vLLM teacher's share of the GPU (teacher.gpu_memory_utilization={cfg.teacher.gpu_memory_utilization:g})"] = (
+            int(cfg.teacher.gpu_memory_utilization * device_total))
     elif src == "privileged_ema" or (src == "privileged_fixed" and not cfg.lora.enabled):
         held["teacher: an fp32 copy of the student"] = 4 * student.params
     rollout = {}
@@ -121,12 +133,22 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | None, promp
     }
     if loss_table.teacher_need(cfg.loss, cfg.rollout) == "full" and teacher is not None:
         update["teacher's log-softmax chunk"] = 4 * mb_rows * chunk * teacher.rows
-    return {"held": held, "rollout": rollout, "update": update}
+        if not _here(cfg.teacher.device, device):
+            update["the teacher's head, copied here (bf16)"] = 2 * teacher.rows * teacher.hidden
+    return {"held": held, "rollout": rollout, "update": update, "score": score}
+
+
+def _here(setting: str, device: torch.device) -> bool:
+    """``teacher.device`` puts the teacher on ``device`` ("" = the student's, which this is)."""
+    if not setting:
+        return True
+    t = torch.device(setting)
+    return t.type == device.type and t.index in (None, device.index)
 
 
 def peak(parts: dict[str, dict[str, int]]) -> int:
-    """The estimated peak: what is held, plus the larger phase."""
-    return sum(parts["held"].values()) + max(sum(parts["rollout"].values()), sum(parts["update"].values()))
+    """The estimated peak: what is held, plus the largest phase."""
+    return sum(parts["held"].values()) + max(sum(v.values()) for k, v in parts.items() if k != "held")
 
 
 def fixed(parts: dict[str, dict[str, int]]) -> int:

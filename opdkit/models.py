@@ -23,8 +23,9 @@ class ModelError(ValueError):
     """A model directory that cannot be used (the message names it and what is missing)."""
 
 
-def check_model_dir(path: str | Path, what: str = "model") -> Path:
-    """Fail early (before any training) if ``path`` is not a usable HF model directory."""
+def check_model_dir(path: str | Path, what: str = "model", weights: bool = True) -> Path:
+    """Fail early (before any training) if ``path`` is not a usable HF model directory (``weights``:
+    False for a model served elsewhere, whose config and tokenizer alone are read here)."""
     p = Path(path)
     if not p.exists():
         raise ModelError(f"{what} directory {p} does not exist")
@@ -32,7 +33,7 @@ def check_model_dir(path: str | Path, what: str = "model") -> Path:
         raise ModelError(f"{what} path {p} is not a directory (expected an HF model directory)")
     if not (p / "config.json").is_file():
         raise ModelError(f"{what} directory {p} has no config.json (expected an HF model directory)")
-    if not any((p / f).is_file() for f in WEIGHT_FILES):
+    if weights and not any((p / f).is_file() for f in WEIGHT_FILES):
         raise ModelError(f"{what} directory {p} has no weights (expected one of {', '.join(WEIGHT_FILES)})")
     for f in ("model.safetensors", "pytorch_model.bin"):
         if (p / f).is_file() and (p / f).stat().st_size == 0:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opdkit import loss_table, losses
+from opdkit import loss_table, losses, teachers
 from opdkit.config import Config
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.sampling import policy_logits, sample_seed
@@ -37,6 +37,8 @@ class Batch:
     teacher_prompt_ids_B_Sp: torch.Tensor  # = the rollout's prompts, or privileged prompts
     teacher_prompt_mask_B_Sp: torch.Tensor
     pad_side: str = "left"  # data.pad_side: how the scored sequences are laid out (GEOMETRIES)
+    reward_adv_B: torch.Tensor | None = None  # loss.reward_weight: each row's group-centred reward A_b (opdkit.rewards)
+    teacher_B: torch.Tensor | None = None  # several teachers: each row's index into cfg.teachers (opdkit.teachers)
 
 
 def step_seeds(seed: int, step: int, n: int, offset: int = 0) -> list[int]:
@@ -183,18 +185,20 @@ def _recorded(ro: Rollout) -> torch.Tensor:
     return ro.sampling_logp_B_T
 
 
-def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, ro: Rollout, rows: slice, n_tokens: float):
+def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: Batch, rows: slice, n_tokens: float):
     """Loss and metrics of positions ``sl`` of micro-batch ``rows``: the loss's declared inputs
-    (``opdkit.loss_table``) made for this chunk, then its function."""
+    (``opdkit.loss_table``) made for this chunk, then its function (with several teachers, once per
+    teacher on its rows: the per-teacher metrics); plus the reward's term (``opdkit.rewards``)."""
     L = cfg.loss
     spec = loss_table.spec(L.name)
+    ro = batch.rollout
     ids_B_C = ro.completion_ids_B_T[rows, sl]
     # the student policy the loss differentiates (loss_table.update_policy): tempered, top-p-truncated
     logits_B_C_V = policy_logits(s_head(h_s_B_C_H).float(), *loss_table.update_policy(L, cfg.rollout))
 
     def teacher_full_B_C_V():
         with torch.no_grad():
-            return t_ctx["head"](t_ctx["hidden_B_T_H"][:, sl]).float().log_softmax(-1)
+            return teachers.full_logprobs(t_ctx, sl)
 
     make = {
         "logp_B_T": lambda: logits_B_C_V.log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0],
@@ -207,13 +211,57 @@ def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, ro: Rollout, rows: sl
         "mask_B_T": lambda: ro.completion_mask_B_T[rows, sl],
         "n_tokens": lambda: n_tokens,
     }
-    loss, m = getattr(losses, spec.fn)(*(make[name]() for name in spec.inputs), **spec.params(L))
-    if "kl" not in m and t_ctx is not None:  # top-K / sft: the sampled estimate on the scored tokens
-        mask_B_C = ro.completion_mask_B_T[rows, sl]
-        s_B_C = logits_B_C_V.detach().log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0]
-        d_B_C = s_B_C - t_ctx["logp_B_T"][:, sl]  # student samples: reverse KL; teacher samples: minus forward KL
-        sign = 1.0 if loss_table.samples_from(L) == "student" else -1.0
-        m["kl"] = float(sign * (d_B_C * mask_B_C).sum() / mask_B_C.sum().clamp_min(1))
+    reward_B_C = None
+    if batch.reward_adv_B is not None:  # λ A_b on every token of row b
+        reward_B_C = (L.reward_weight * batch.reward_adv_B[rows])[:, None].expand(ids_B_C.shape)
+    kwargs = spec.params(L) | ({"reward_adv_B_T": reward_B_C} if reward_B_C is not None and spec.reward == "advantage"
+                               else {})
+    groups = teachers.row_groups(cfg, batch, rows)  # None: one teacher for every row
+    if groups is None:
+        loss, m = getattr(losses, spec.fn)(*(make[name]() for name in spec.inputs), **kwargs)
+        _fill_kl(cfg, m, logits_B_C_V, ids_B_C, t_ctx, sl, make["mask_B_T"]())
+    else:  # each teacher's rows through the loss on their own: the same sum, and metrics per teacher
+        vals = {name: make[name]() for name in spec.inputs}
+        loss, parts = None, {}
+        for name, idx_b in groups.items():
+            pick = (lambda x: x[idx_b] if torch.is_tensor(x) else x)
+            part, m_t = getattr(losses, spec.fn)(*(pick(vals[n]) for n in spec.inputs),
+                                                 **{k: pick(v) for k, v in kwargs.items()})
+            _fill_kl(cfg, m_t, logits_B_C_V[idx_b], ids_B_C[idx_b], t_ctx, sl, make["mask_B_T"]()[idx_b], idx_b)
+            loss = part if loss is None else loss + part
+            parts[name] = (m_t, float(part.detach()) * n_tokens)
+        m = teachers.chunk_metrics(_combine([m_t for m_t, _ in parts.values()]), parts)
+    if reward_B_C is not None:
+        loss, m = _add_reward(cfg, spec, loss, m, make, reward_B_C, t_ctx, sl)
+    return loss, m
+
+
+def _fill_kl(cfg: Config, m: dict, logits_B_C_V, ids_B_C, t_ctx, sl, mask_B_C, idx_b=None) -> None:
+    """A loss that reports no ``kl`` (top-K, sft): the sampled estimate on the scored tokens."""
+    if "kl" in m or t_ctx is None:
+        return
+    t_B_C = t_ctx["logp_B_T"][:, sl] if idx_b is None else t_ctx["logp_B_T"][idx_b, sl]
+    s_B_C = logits_B_C_V.detach().log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0]
+    d_B_C = s_B_C - t_B_C  # student samples: reverse KL; teacher samples: minus forward KL
+    sign = 1.0 if loss_table.samples_from(cfg.loss) == "student" else -1.0
+    m["kl"] = float(sign * (d_B_C * mask_B_C).sum() / mask_B_C.sum().clamp_min(1))
+
+
+def _add_reward(cfg: Config, spec, loss, m: dict, make: dict, reward_B_C, t_ctx, sl):
+    """The reward's part of a chunk (``opdkit.rewards``): for a loss with ``reward="term"`` its
+    policy-gradient term added to the loss; for every loss the metrics of the reward's share of the
+    per-token advantage (mean |λ A| and mean |log p_T - log p_S| over the scored tokens)."""
+    logp_B_C, mask_B_C = make["logp_B_T"](), make["mask_B_T"]()
+    if spec.reward == "term":
+        term, _ = losses.reward_pg_loss(logp_B_C, make["old_logp_B_T"](), reward_B_C, mask_B_C, make["n_tokens"](),
+                                        cfg.loss.clip_eps, dual_clip=cfg.loss.dual_clip)
+        loss = loss + term
+    with torch.no_grad():
+        keep_B_C = (mask_B_C != 0) & torch.isfinite(logp_B_C)
+        n = keep_B_C.sum().clamp_min(1)
+        d_B_C = torch.where(keep_B_C, t_ctx["logp_B_T"][:, sl] - logp_B_C, torch.zeros_like(logp_B_C))
+        r_B_C = torch.where(keep_B_C, reward_B_C, torch.zeros_like(reward_B_C))
+        m = m | {"reward_adv_abs": float(r_B_C.abs().sum() / n), "teacher_adv_abs": float(d_B_C.abs().sum() / n)}
     return loss, m
 
 
@@ -222,24 +270,26 @@ def teacher_context(cfg: Config, teacher, batch: Batch, rows: slice, teacher_ctx
     """What the loss needs from the teacher for micro-batch ``rows`` (``loss_table.teacher_need``;
     None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full). For
     ``recorded`` (sft on samples the teacher drew at temperature 1, top-p 1) the log-probs are the
-    ones the rollout recorded, with no teacher pass."""
+    ones the rollout recorded, with no teacher pass. A teacher on another device (``teacher.device``)
+    scores there; its outputs come to the batch's."""
     need = loss_table.teacher_need(cfg.loss, cfg.rollout)
     if need == "none":
         return None
     ro = batch.rollout
     if need == "recorded":
         return {"logp_B_T": ro.sampling_logp_B_T[rows]}
+    t_dev = teachers.device_of(teacher)
     with teacher_ctx_manager():
         _, head = unwrap(teacher)
-        h_B_T_H = completion_hidden(teacher, teacher_geometry(batch, rows), cfg.runtime.unpadded_rows)
-        ids_B_T = ro.completion_ids_B_T[rows]
+        h_B_T_H = completion_hidden(teacher, teacher_geometry(batch, rows).to(t_dev), cfg.runtime.unpadded_rows)
+        ids_B_T = ro.completion_ids_B_T[rows].to(t_dev)
         ctx = {"logp_B_T": token_logprobs(head, h_B_T_H, ids_B_T, cfg.runtime.logprob_chunk), "head": head}
         if need == "topk":
             ctx["topk_ids_B_T_K"], ctx["topk_logp_B_T_K"] = topk_logprobs(head, h_B_T_H, cfg.loss.topk,
                                                                           cfg.runtime.logprob_chunk)
         elif need == "full":
             ctx["hidden_B_T_H"] = h_B_T_H
-    return ctx
+    return teachers.to_device(ctx, teacher, ro.completion_ids_B_T.device)
 
 
 def micro_slices(cfg: Config, batch: Batch) -> list[slice]:
@@ -249,14 +299,32 @@ def micro_slices(cfg: Config, batch: Batch) -> list[slice]:
 
 
 def score_batch(cfg: Config, teacher, batch: Batch, autocast, teacher_ctx_manager=contextlib.nullcontext) -> list:
-    """Teacher scoring of every micro-batch of the step (no grad). A sharded teacher scoring row by
-    row (``runtime.unpadded_rows``) gathers each layer once per micro-batch, not once per row."""
+    """Teacher scoring of every micro-batch of the step (no grad). ``teacher``: an HF model, a
+    ``teachers.TeacherSet`` (each row scored by the teacher it names) or a teacher that scores
+    elsewhere (``engines.vllm_teacher``: one call for the step's rows)."""
+    with autocast():
+        return score_rows(cfg, teacher, batch, micro_slices(cfg, batch), teacher_ctx_manager)
+
+
+@torch.no_grad()
+def score_rows(cfg: Config, teacher, batch: Batch, row_sets: list, teacher_ctx_manager=contextlib.nullcontext) -> list:
+    """``teacher_context`` of each of ``row_sets`` (slices or index tensors of the batch's rows). A
+    sharded teacher scoring row by row (``runtime.unpadded_rows``) gathers each layer once per row
+    set, not once per row."""
+    if loss_table.teacher_need(cfg.loss, cfg.rollout) == "none":
+        return [None] * len(row_sets)
+    if isinstance(teacher, teachers.TeacherSet):
+        subsets = teachers.split_rows(batch, row_sets, len(teacher.members))
+        per_teacher = {i: score_rows(cfg, member, batch, [idx for idx in sub if idx.numel()], teacher_ctx_manager)
+                       for i, (member, sub) in enumerate(zip(teacher.members, subsets))}
+        return teachers.merge(batch, row_sets, per_teacher)
+    if not isinstance(teacher, torch.nn.Module):
+        return teacher.score(cfg, batch, row_sets)
     gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
     out = []
-    with autocast():
-        for rows in micro_slices(cfg, batch):
-            with gather_once(teacher):
-                out.append(teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager))
+    for rows in row_sets:
+        with gather_once(teacher):
+            out.append(teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager))
     return out
 
 
@@ -295,7 +363,7 @@ def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n
             for s in range(0, h_leaf.shape[1], chunk):
                 sl = slice(s, s + chunk)
                 with autocast():
-                    loss, m = _chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, ro, rows, n_tokens)
+                    loss, m = _chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, batch, rows, n_tokens)
                 loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
                 total += float(loss.detach())
                 parts.append(m)

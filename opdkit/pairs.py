@@ -82,6 +82,7 @@ class Inputs:
     tokenizer: object  # the student's (it encodes every prompt, the teacher's too)
     teacher_tokenizer: object = None
     warnings: list[Finding] = field(default_factory=list)
+    teacher_paths: dict[str, Path] = field(default_factory=dict)  # "teacher model" (or "teacher NAME model") -> dir
 
 
 # fixes for the errors raised by the loaders (a PairError carries its own)
@@ -126,36 +127,61 @@ def check_inputs(cfg: Config, strict: bool) -> tuple[Inputs | None, list[Finding
     """Every file-level check of the run's pair and data, in order; ``Inputs`` (None when a check
     failed) and the findings. ``strict``: the first failure raises (``ModelError`` / ``DataError``)."""
     c = Checks(strict)
-    with_teacher = cfg.teacher.source == "model"
+    src = cfg.teacher.source
+    with_teacher = src in ("model", "vllm")
     s_dir = c.run("student model", model_dir, paths.student_path(cfg), "student model")
-    t_dir = c.run("teacher model", model_dir, paths.teacher_path(cfg), "teacher model") if with_teacher else None
+    served = src == "vllm" and all(teacher_urls(cfg).values())  # a server holds the weights: config + tokenizer here
+    t_dirs = {role: c.run(f"{role} model", model_dir, path, f"{role} model", not served)
+              for role, path in teacher_roles(cfg).items()} if with_teacher else {}
     if not with_teacher:
-        c.findings.append(Finding("teacher model", OK, f"teacher.source={cfg.teacher.source}: the student, given the "
+        c.findings.append(Finding("teacher model", OK, f"teacher.source={src}: the student, given the "
                                   "reference solution in its prompt, is its own teacher (no teacher model)"))
     train_path = paths.train_data_path(cfg)
     s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")  # before the data: the length filters count its tokens
     examples = c.run("data", training_data, cfg, train_path, s_tok)
-    t_tok = c.run("teacher tokenizer", tokenizer_of, t_dir, "teacher model") if with_teacher else None
-    c.run("chat template", chat_template, cfg, s_dir, t_dir, s_tok, t_tok, examples)
-    dirs = {"student": s_dir, **({"teacher": t_dir} if with_teacher else {})}
-    if with_teacher:
-        c.run("vocabulary", vocabulary, s_tok, t_tok, s_dir, t_dir, examples)
+    t_toks = {role: c.run(f"{role} tokenizer", tokenizer_of, d, f"{role} model") for role, d in t_dirs.items()}
+    for role in t_dirs or [None]:  # each teacher against the student (one teacher: the checks' plain names)
+        t_dir, t_tok = t_dirs.get(role), t_toks.get(role)
+        name = "" if role in (None, "teacher") else f" ({role})"
+        c.run("chat template" + name, chat_template, cfg, s_dir, t_dir, s_tok, t_tok, examples)
+        if role is not None:
+            c.run("vocabulary" + name, vocabulary, s_tok, t_tok, s_dir, t_dir, examples)
+        c.run("special tokens" + name, special_tokens, cfg, s_tok, t_tok,
+              {"student": s_dir, **({"teacher": t_dir} if role is not None else {})})
+    dirs = {"student": s_dir, **t_dirs}
     c.run("embedding rows", embedding_rows, s_tok, dirs)
-    c.run("special tokens", special_tokens, cfg, s_tok, t_tok, dirs)
+    if src == "vllm":
+        c.run("embedding rows (vllm)", vllm_rows, s_tok, t_dirs)
     for role, d in dirs.items():
         c.run(f"generation config ({role})", generation_config, cfg, d, role)
     if c.failed:
         return None, c.findings
-    inputs = Inputs(s_dir, t_dir, train_path, examples, fingerprint(examples), s_tok, t_tok,
-                    [f for f in c.findings if f.status == WARN])
+    first = next(iter(t_dirs.values()), None)
+    inputs = Inputs(s_dir, first, train_path, examples, fingerprint(examples), s_tok, t_toks.get(next(iter(t_dirs), None)),
+                    [f for f in c.findings if f.status == WARN], {f"{role} model": d for role, d in t_dirs.items()})
     return inputs, c.findings
+
+
+def teacher_roles(cfg: Config) -> dict[str, Path]:
+    """The teacher models of a run by role: ``teacher`` (teacher.path), or ``teacher NAME`` for each of
+    several (params key ``teachers``)."""
+    if cfg.teachers:
+        return {f"teacher {t.name}": Path(t.path) for t in cfg.teachers}
+    return {"teacher": paths.teacher_path(cfg)}
+
+
+def teacher_urls(cfg: Config) -> dict[str, str]:
+    """teacher.source=vllm: each teacher role's server URL ("" = a colocated engine)."""
+    if cfg.teachers:
+        return {f"teacher {t.name}": t.url for t in cfg.teachers}
+    return {"teacher": cfg.teacher.url}
 
 
 # --- the checks: each returns (value, findings) or raises ModelError / DataError ---------------
 
 
-def model_dir(path: Path, what: str):
-    p = check_model_dir(path, what)
+def model_dir(path: Path, what: str, weights: bool = True):
+    p = check_model_dir(path, what, weights)
     try:
         cfg = json.loads((p / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -169,14 +195,15 @@ def model_dir(path: Path, what: str):
 
 def required_references(cfg: Config) -> tuple[str, ...]:
     """The references every training row needs: a privileged teacher's context, sft's solutions."""
-    need = TEACHER_REFERENCES[cfg.data.teacher_context] if cfg.teacher.source != "model" else ()
+    need = TEACHER_REFERENCES[cfg.data.teacher_context] if cfg.teacher.source.startswith("privileged") else ()
     if loss_table.samples_from(cfg.loss) == "reference" and "solution" not in need:
         need += ("solution",)
     return need
 
 
 def training_data(cfg: Config, path: Path, tokenizer=None):
-    examples = load_examples(path, cfg.data, require=required_references(cfg), tokenizer=tokenizer)
+    examples = load_examples(path, cfg.data, require=required_references(cfg), tokenizer=tokenizer,
+                             teachers=tuple(t.name for t in cfg.teachers) if cfg.teachers else None)
     n_chat = sum(not isinstance(ex.prompt, str) for ex in examples)
     shape = ("chat messages" if n_chat == len(examples) else "plain-text prompts" if not n_chat
              else f"{n_chat} chat-message and {len(examples) - n_chat} plain-text prompts")
@@ -286,6 +313,22 @@ def embedding_rows(tok, dirs: dict[str, Path]):
                           "never sampled, excluded from scoring (log-probs renormalised over the shared ids)")]
 
 
+def vllm_rows(tok, t_dirs: dict[str, Path]):
+    """teacher.source=vllm: vLLM normalises prompt log-probs over every embedding row, so a teacher
+    it scores with must hold exactly the tokenizer's ids (the HF teacher's ``SharedVocabHead``)."""
+    n = tokenizer_ids(tok)
+    for role, d in t_dirs.items():
+        rows = config_rows(d)["output"]
+        if rows != n:
+            raise PairError(f"{role} model directory {d}: {rows:,} embedding rows for the tokenizer's {n:,} ids; vLLM "
+                            "normalises its prompt log-probs over every row, so the padding rows would take part of the "
+                            "teacher's probability (the HF teacher scores over the tokenizer's ids only)",
+                            f"write a copy cut to those ids and point the teacher's path (and `vllm serve`) at it: "
+                            f"opdkit vocab-cut --model {d} --out {d}-cut")
+    return None, [Finding("embedding rows (vllm)", OK, f"the teacher's rows are the tokenizer's {n:,} ids: vLLM's "
+                          "prompt log-probs are normalised over the ids the HF teacher scores over")]
+
+
 def use_shared_vocab(tok, models: dict[str, tuple[str | Path, torch.nn.Module]], log=print) -> int:
     """Check each loaded model's rows against the tokenizer, then score every model over the shared
     vocabulary (the tokenizer's ids; padding rows excluded, log-probs renormalised over it) and
@@ -374,7 +417,7 @@ def generation_config(cfg: Config, path: Path, role: str):
             f"eval.temperature={E.temperature:g} / top_p={E.top_p:g} in opdkit eval, and nothing else")
     check = f"generation config ({role})"
     settings = ", ".join(f"{k}={v}" for k, v in changers.items())
-    if role == "teacher" and loss_table.samples_from(cfg.loss) != "teacher":
+    if role.startswith("teacher") and loss_table.samples_from(cfg.loss) != "teacher":
         return None, [Finding(check, OK, "not used: the teacher only scores" +
                               (f" (its {settings} would matter only where it samples: loss.name=sft, "
                                "sft_source=teacher)" if changers else ""))]

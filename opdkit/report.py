@@ -71,7 +71,8 @@ def pipeline_arms(cfg: Config) -> list[Arm]:
     arms = [Arm(name, (f"loss.name={name}",), cfg.budget.max_steps,
                 "baseline" if name == cfg.pipeline.baseline_arm else "steps") for name in opd]
     arms += [Arm(c.name, ("loss.name=sft", f"loss.sft_source={c.sft_source}", "teacher.source=model",
-                          "data.pad_side=left", f"budget.max_steps={c.steps}", f"publish.every_steps={c.every_steps}"), c.steps, c.match)
+                          "data.pad_side=left", "loss.reward_weight=0",  # supervised: no reward (opdkit.rewards)
+                          f"budget.max_steps={c.steps}", f"publish.every_steps={c.every_steps}"), c.steps, c.match)
              for c in cfg.pipeline.controls]
     names = [a.name for a in arms]
     clash = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(RESERVED_ARMS)))

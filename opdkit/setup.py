@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from opdkit import loss_table, pairs
+from opdkit import loss_table, pairs, rewards, teachers
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt
+from opdkit.engines import vllm_teacher
 from opdkit.engines.weights import export_state_dict as _merged_state_dict
 from opdkit.models import compute_dtype, load_model, pick_device, setup_torch
 from opdkit.pairs import Inputs, use_shared_vocab
@@ -60,6 +61,13 @@ def check_params(cfg: Config) -> None:
                        f"{cfg.loss.name} scores sampled tokens: leave loss.teacher_temperature at 1")
     if not cfg.loss.teacher_temperature > 0:
         raise RunError(f"loss.teacher_temperature must be > 0, got {cfg.loss.teacher_temperature}")
+    for why in (rewards.check_params(cfg), teachers.check_params(cfg), vllm_teacher.check_params(cfg)):
+        if why:
+            raise RunError(why)
+    try:
+        teachers.pick_device(cfg.teacher.device, torch.device("cpu"))  # is that device on this machine?
+    except ValueError as e:
+        raise RunError(str(e)) from None
 
 
 def prepare_inputs(cfg: Config) -> Inputs:
@@ -108,6 +116,13 @@ class Run:
     def prompts(self, examples: list[Example], privileged: bool = False) -> list[list[int]]:
         return [encode_prompt(ex, self.tokenizer, self.cfg.data, privileged=privileged) for ex in examples]
 
+    def teacher_rows(self, examples: list[Example], samples_per_prompt: int) -> torch.Tensor | None:
+        """Several teachers: each row's teacher (its index in ``cfg.teachers``), prompt-major; else None."""
+        if not self.cfg.teachers:
+            return None
+        index = {t.name: i for i, t in enumerate(self.cfg.teachers)}
+        return torch.tensor([index[ex.teacher] for ex in examples for _ in range(samples_per_prompt)], device=self.device)
+
 
 def _wrap_lora(cfg: Config, model):
     from peft import LoraConfig, get_peft_model
@@ -133,9 +148,14 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     student.train()
 
     src, ema, ctx = cfg.teacher.source, None, contextlib.nullcontext
-    if src == "model":
-        teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
-        vocab_models["teacher model"] = (inputs.teacher_path, teacher)
+    if src == "model":  # one teacher, or several (a TeacherSet), on teacher.device ("": the student's)
+        t_device = teachers.pick_device(cfg.teacher.device, device)
+        members = [load_model(path, t_device, compute_dtype(cfg.runtime, t_device), what)
+                   for what, path in inputs.teacher_paths.items()]
+        vocab_models.update({what: (path, m) for (what, path), m in zip(inputs.teacher_paths.items(), members)})
+        teacher = teachers.TeacherSet(tuple(t.name for t in cfg.teachers), members) if cfg.teachers else members[0]
+    elif src == "vllm":  # scores in vLLM (its own process, or a server): nothing of it in this process
+        teacher = vllm_teacher.make_teachers(cfg, inputs, device, log)
     elif src == "privileged_fixed" and cfg.lora.enabled:
         teacher, ctx = student, student.disable_adapter  # the frozen base is the initial student
     elif src in ("privileged_fixed", "privileged_ema"):
@@ -147,8 +167,11 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     use_shared_vocab(tok, vocab_models, log)  # checks the teacher's rows too, and says what was done
     opt = make_optimizer(cfg, student, device)
     n_train = sum(p.numel() for p in student.parameters() if p.requires_grad)
+    where = (f" on {teachers.device_of(teacher)}" if isinstance(teacher, torch.nn.Module) and teacher is not student
+             else "")
     log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "
-        f"teacher {inputs.teacher_path or src}")
+        f"teacher {', '.join(map(str, inputs.teacher_paths.values())) or src}{where}"
+        + (f" (teacher.source=vllm{', ' + cfg.teacher.url if cfg.teacher.url else ', colocated'})" if src == "vllm" else ""))
     return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema)
 
 

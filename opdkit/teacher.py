@@ -33,6 +33,13 @@ class Geometry:
     prompt_width: int  # Sp: completion token t sits at column Sp + t
     completion_len: int  # T
 
+    def to(self, device) -> "Geometry":
+        """The same geometry on ``device`` (itself where it already is there)."""
+        if self.input_ids_B_S.device == torch.device(device):
+            return self
+        return Geometry(self.input_ids_B_S.to(device), self.attention_mask_B_S.to(device),
+                        self.position_ids_B_S.to(device), self.prompt_width, self.completion_len)
+
 
 def build_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, completion_mask_B_T) -> Geometry:
     """Concatenate left-padded prompts and right-padded completions; positions from the mask."""
@@ -94,6 +101,30 @@ def restrict_vocab(model, n: int) -> None:
     if n > rows:
         raise ValueError(f"cannot restrict a head of {rows} rows to {n} ids")
     object.__setattr__(base, _SHARED_HEAD, SharedVocabHead(base, n) if n < rows else None)
+
+
+def head_on(model, device) -> torch.nn.Module:
+    """A frozen copy of ``model``'s scoring head (``unwrap``'s: restricted to the shared vocabulary
+    after ``restrict_vocab``) on ``device``, made once and kept on the model (unregistered): the
+    full-vocabulary losses make the teacher's logits where the student's are, from hidden states
+    moved there (``teacher.device``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    copies = base.__dict__.setdefault(_HEAD_COPIES, {})
+    device = torch.device(device)
+    if device not in copies:
+        lm = base.lm_head
+        _, head = unwrap(model)
+        n = head.n if isinstance(head, SharedVocabHead) else lm.weight.shape[0]
+        copy = torch.nn.Linear(lm.weight.shape[1], n, bias=lm.bias is not None, device=device, dtype=lm.weight.dtype)
+        with torch.no_grad():
+            copy.weight.copy_(lm.weight[:n])
+            if lm.bias is not None:
+                copy.bias.copy_(lm.bias[:n])
+        copies[device] = copy.requires_grad_(False)
+    return copies[device]
+
+
+_HEAD_COPIES = "_opdkit_head_copies"
 
 
 def unwrap(model):

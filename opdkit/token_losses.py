@@ -8,6 +8,8 @@ docstring names (checked in tests/test_losses.py by exact enumeration over small
 - ``k2_loss``: 1/2 (log p_S - log p_T)^2 differentiated directly -> ∇KL(p_S || p_T).
 - ``k3_loss``: r - 1 - log r (r = p_T / p_S) differentiated directly -> ∇KL(p_T || p_S).
 - ``sft_loss``: negative log-likelihood of the given tokens (the SFT control).
+- ``reward_pg_loss``: the verifiable reward's policy-gradient term (``opdkit.rewards``), PPO's
+  surrogate with a per-token advantage λ A_b -> λ ∇E[r] (times P G / n_tokens; see ``opdkit.rewards``).
 
 Normalisation, metrics and padding as described in ``opdkit.losses`` (which re-exports these).
 p_S is the student policy the rollout samples (tempered, top-p-truncated; ``opdkit.loss_table``);
@@ -114,7 +116,8 @@ def _token_inputs(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens):
                            mask_B_T, n_tokens)
 
 
-def k1_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens, clip_eps, *, dual_clip=0.0):
+def k1_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens, clip_eps, *, dual_clip=0.0,
+            reward_adv_B_T=None):
     """PPO-clipped policy gradient with per-token advantage A = teacher_logp - logp.detach().
 
     Expected gradient (tokens sampled from the student, step on-policy or within the clip):
@@ -122,16 +125,40 @@ def k1_loss(logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens, clip_e
     Shapes: all ``B_T``. ``logp_B_T``: student log-probs of the sampled tokens (with grad);
     ``old_logp_B_T``: sampling-time log-probs (no grad; the ratio exp(logp - old_logp) is the
     importance weight of an off-policy step); ``teacher_logp_B_T``: teacher log-probs of the same
-    tokens. ``dual_clip``: see ``_ppo_surrogate``. Metrics: ``kl`` (mean logp - teacher_logp,
-    sampled reverse KL), ``advantage_mean``, ``ratio_clipped_frac``, ``dual_clipped_frac``,
-    ``ratio_max`` (1.0 if no token), ``tokens``.
+    tokens. ``dual_clip``: see ``_ppo_surrogate``. ``reward_adv_B_T`` (OPD plus a verifiable reward,
+    ``opdkit.rewards``): λ A_b on every token of completion b, added to the advantage (None: none).
+    Metrics: ``kl`` (mean logp - teacher_logp, sampled reverse KL), ``advantage_mean``,
+    ``ratio_clipped_frac``, ``dual_clipped_frac``, ``ratio_max`` (1.0 if no token), ``tokens``.
     """
-    logp_B_T, s_B_T, (old_B_T, t_B_T), mask_B_T, n = _token_inputs(
-        logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens)
-    adv_B_T = t_B_T - s_B_T
+    if reward_adv_B_T is None:
+        logp_B_T, s_B_T, (old_B_T, t_B_T), mask_B_T, n = _token_inputs(
+            logp_B_T, old_logp_B_T, teacher_logp_B_T, mask_B_T, n_tokens)
+        adv_B_T = t_B_T - s_B_T
+    else:
+        logp_B_T, s_B_T, (old_B_T, t_B_T, r_B_T), mask_B_T, n = _sampled_inputs(
+            logp_B_T, {"old_logp_B_T": old_logp_B_T, "teacher_logp_B_T": teacher_logp_B_T,
+                       "reward_adv_B_T": reward_adv_B_T}, mask_B_T, n_tokens)
+        adv_B_T = t_B_T - s_B_T + torch.where(mask_B_T, r_B_T, torch.zeros_like(r_B_T))
     loss, metrics = _ppo_surrogate(logp_B_T, old_B_T, adv_B_T, mask_B_T, n, clip_eps, dual_clip)
     metrics["kl"] = _mean(s_B_T - t_B_T, mask_B_T)
     return loss, _floats(metrics)
+
+
+def reward_pg_loss(logp_B_T, old_logp_B_T, reward_adv_B_T, mask_B_T, n_tokens, clip_eps, *, dual_clip=0.0):
+    """The verifiable reward's policy-gradient term beside a distillation loss (``opdkit.rewards``):
+    PPO's surrogate (``_ppo_surrogate``, as k1's) with the per-token advantage ``reward_adv_B_T`` =
+    λ A_b on every token of completion b, token sum over ``n_tokens``.
+
+    Expected gradient (on-policy, n fixed): -(λ / n) E[sum_b A_b ∇log p_S(y_b)], which is
+    -λ (B / n) ∇E[r] with the leave-one-out baseline and (G-1)/G of that with the group mean. Shapes:
+    all ``B_T``; ``logp_B_T`` with grad, the others constants. Metrics: ``ratio_clipped_frac``,
+    ``tokens``.
+    """
+    logp_B_T, _, (old_B_T, r_B_T), mask_B_T, n = _sampled_inputs(
+        logp_B_T, {"old_logp_B_T": old_logp_B_T, "reward_adv_B_T": reward_adv_B_T}, mask_B_T, n_tokens)
+    r_B_T = torch.where(mask_B_T, r_B_T, torch.zeros_like(r_B_T))
+    loss, m = _ppo_surrogate(logp_B_T, old_B_T, r_B_T, mask_B_T, n, clip_eps, dual_clip)
+    return loss, _floats({"ratio_clipped_frac": m["ratio_clipped_frac"], "tokens": m["tokens"]})
 
 
 def _weighted_estimator(est_B_T, logp_B_T, old_B_T, mask_B_T, n):

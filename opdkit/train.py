@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, tracking, trainer_state
+from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, rewards, teachers, tracking, trainer_state
 from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.fsutil import OutputLock, atomic_write_json, atomic_write_text
@@ -77,6 +77,8 @@ RUN_FILE = "run.json"
 RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded", "tracking")
 PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
 LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
+# where the teacher runs, not what it is: a resumed run may move it (another GPU, another server address)
+PLACEMENT_KEYS = ("teacher.device", "teacher.url", "teacher.timeout_s", "teacher.gpu_memory_utilization")
 
 
 @dataclass
@@ -116,7 +118,8 @@ def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> Non
     """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
     old, new = _flat(state["config"]), _flat(to_dict(cfg))
     fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
-             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS and old[k] != new[k]]
+             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS + PLACEMENT_KEYS
+             and old[k] != new[k]]
     if fixed:
         changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
         raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
@@ -413,12 +416,14 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                     if not _should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s):
                         _, next_prompts, next_seeds = step_batch(step + 1, data_pos)
                         engine.prefetch(next_prompts, seeds=next_seeds, logprobs=reads_logp, **draw)
-            if cfg.teacher.source == "model":
+            if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
                 t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
             else:  # privileged: the teacher's prompt also holds the reference solution
                 priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
                 t_ids, t_mask = left_pad(priv, pad_id, run.device)
-            batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side)
+            batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side, teacher_B=run.teacher_rows(examples, G))
+            # OPD plus a verifiable reward: every completion graded against its row's answer (None at λ = 0)
+            reward = rewards.attach(cfg, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}")
             t1 = _clock(run.device)
             align = None
             if cfg.runtime.alignment_check and step == first_step and lag:
@@ -442,6 +447,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
             m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
             m = distributed.reduce_metrics(m, world)
+            m = rewards.finish_metrics(reward, teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers)))
             trainable = [p for p in run.student.parameters() if p.requires_grad]
             grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
             # loss and norm are global (reduced over ranks): every rank takes the same decision

@@ -41,6 +41,7 @@ BASE = ["runtime.threads=1", "runtime.device=cpu", "rollout.prompts_per_step=2",
         "budget.max_steps=1", "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=0.01"]
 PROMPT_LENS = (5, 8, 4, 6)  # of the global batch's rows (repeated for more rows)
 LENGTHS = (9, 7, 3, 2)  # completion tokens per row (2 prompts x 2 samples): T is 9 on rank 0 (rows 0-1), 3 on rank 1
+REWARD_ADV = (1.0, -1.0, 0.5, -0.5)  # with loss.reward_weight: each row's group-centred reward (opdkit.rewards), planted
 
 
 @contextlib.contextmanager
@@ -106,7 +107,10 @@ def build(overrides: list[str], world: distributed.World, lengths=LENGTHS):
         run = distributed.shard_run(run, world)
     tok = run.tokenizer
     rows = global_batch(len(tok), tok.eos_token_id, lengths)
-    return cfg, run, make_batch(rows[world.share(len(rows))], tok.pad_token_id)
+    batch = make_batch(rows[world.share(len(rows))], tok.pad_token_id)
+    if cfg.loss.reward_weight:
+        batch.reward_adv_B = torch.tensor(REWARD_ADV[: len(rows)])[world.share(len(rows))]
+    return cfg, run, batch
 
 
 def one_step(cfg, run, batch: opd.Batch, world: distributed.World) -> dict:

@@ -40,6 +40,8 @@ CASES["full-chunk3-padded-2micro"] = ["runtime.logprob_chunk=3", "optim.micro_ba
 CASES["full-chunk1-unpadded-fsdp_teacher-checkpointed"] = [  # S1 checkpoints activations
     "runtime.logprob_chunk=1", "runtime.unpadded_rows=true", "runtime.teacher_sharding=fsdp",
     "runtime.grad_checkpointing=true"]
+for loss in ("k1", "rkl"):  # the reward in k1's advantage, and as a policy-gradient term beside rkl (opdkit.rewards)
+    CASES[f"full-chunk1-padded-{loss}+reward"] = ["runtime.logprob_chunk=1", f"loss.name={loss}", "loss.reward_weight=0.5"]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from opdkit import interrupt, opd
+from opdkit import interrupt, opd, rewards
 from opdkit.config import load_config
 from opdkit.engines.base import Rollout
 from opdkit.engines.hf import HFEngine
@@ -54,12 +54,16 @@ def test_with_weights_that_do_not_change_overlap_is_the_on_policy_run(tmp_path, 
         assert {k: a.get(k) for k in KEYS} == {k: b.get(k) for k in KEYS}
 
 
-def test_step_2_trains_on_the_batch_the_initial_weights_drew(tmp_path):
-    """lr > 0, k1: step 1 is the on-policy step; step 2's loss is the k1 loss of the weights after
-    step 1 on the batch that the initial weights drew for step 2's prompts and seeds, with the
-    log-probs recorded while drawing it as the PPO reference (recomputed here from the library's
-    step functions): the stale ratio is used, not an on-policy one."""
-    common = ("budget.max_steps=2", "optim.lr=3e-3", "loss.name=k1", "publish.every_steps=1", "publish.keep=2")
+@pytest.mark.parametrize("extra", [("loss.name=k1",), ("loss.name=rkl", "loss.reward_weight=2.0", "rollout.max_new_tokens=40",
+                                    "rollout.samples_per_prompt=4", "rollout.prompts_per_step=4")],
+                         ids=["k1", "rkl+reward"])
+def test_step_2_trains_on_the_batch_the_initial_weights_drew(tmp_path, extra):
+    """lr > 0: step 1 is the on-policy step; step 2's loss is the loss of the weights after step 1 on
+    the batch that the initial weights drew for step 2's prompts and seeds, with the log-probs
+    recorded while drawing it as the PPO reference (recomputed here from the library's step
+    functions): k1's stale ratio is used, not an on-policy one; with the reward beside rkl, the
+    prefetched completions are graded against step 2's rows."""
+    common = ("budget.max_steps=2", "optim.lr=3e-3", "publish.every_steps=1", "publish.keep=2", *extra)
     on = run(tmp_path / "on", *common)
     off = run(tmp_path / "off", *common, "rollout.overlap=1")
     assert on[0]["loss"] == off[0]["loss"] and on[1]["loss"] != off[1]["loss"]
@@ -68,15 +72,20 @@ def test_step_2_trains_on_the_batch_the_initial_weights_drew(tmp_path):
     inputs = prepare_inputs(c)
     r = build_run(c, inputs, log=lambda s: None)  # the initial weights, θ0
     P, G = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
-    prompts = r.prompts([inputs.examples[i] for i in prompt_indices(c.seed, len(inputs.examples), P, P)])
-    ro = HFEngine(r.student, r.tokenizer).sample(prompts, samples_per_prompt=G, seeds=opd.step_seeds(c.seed, 1, P * G),
-                                                  temperature=1.0, top_p=1.0, max_new_tokens=c.rollout.max_new_tokens)
+    examples = [inputs.examples[i] for i in prompt_indices(c.seed, len(inputs.examples), P, P)]
+    ro = HFEngine(r.student, r.tokenizer).sample(r.prompts(examples), samples_per_prompt=G,
+                                                  seeds=opd.step_seeds(c.seed, 1, P * G), temperature=1.0, top_p=1.0,
+                                                  max_new_tokens=c.rollout.max_new_tokens)
     theta1 = load_file(tmp_path / "on" / "checkpoints" / "checkpoint-1" / "model.safetensors")
     assert not r.student.load_state_dict(theta1, strict=False).unexpected_keys  # θ1 (the same in both runs)
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
+    if c.loss.reward_weight:
+        batch.reward_adv_B, _ = rewards.step_rewards(c, r.tokenizer, ro, examples)
+        assert batch.reward_adv_B.abs().max() > 0  # a group with mixed grades: the term takes part
     m = opd.micro_losses(c, r.student, batch, opd.score_batch(c, r.teacher, batch, r.autocast), r.autocast)
     assert abs(m["loss"] - off[1]["loss"]) < 1e-6 and abs(m["kl"] - off[1]["kl"]) < 1e-6
-    assert off[1]["ratio_max"] > 1.0 + 1e-4  # the behaviour log-probs are θ0's
+    if not c.loss.reward_weight:
+        assert off[1]["ratio_max"] > 1.0 + 1e-4  # the behaviour log-probs are θ0's
 
 
 def test_an_overlap_run_stopped_by_a_signal_resumes_as_if_uninterrupted(tmp_path, monkeypatch):
@@ -104,10 +113,12 @@ def test_an_overlap_run_stopped_by_a_signal_resumes_as_if_uninterrupted(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("loss,asked", [("rkl", [True, False, False]), ("k1", [True, True, True])])
+@pytest.mark.parametrize("loss,asked", [(("rkl",), [True, False, False]), (("k1",), [True, True, True]),
+                                        (("rkl", "loss.reward_weight=0.5"), [True, True, True])],
+                         ids=["rkl", "k1", "rkl+reward"])
 def test_sampling_logprobs_are_asked_for_only_where_they_are_read(tmp_path, monkeypatch, loss, asked):
     """rkl reads no sampling log-probs: only the first batch (the alignment check) asks for them; k1's
-    PPO ratio reads them at every step."""
+    PPO ratio reads them at every step, and so does the reward's policy-gradient term beside rkl."""
     seen: list[bool] = []
     real = HFEngine.sample
 
@@ -116,7 +127,7 @@ def test_sampling_logprobs_are_asked_for_only_where_they_are_read(tmp_path, monk
         return real(self, prompts, **kw)
 
     monkeypatch.setattr(HFEngine, "sample", spy)
-    run(tmp_path / "out", "budget.max_steps=3", f"loss.name={loss}")
+    run(tmp_path / "out", "budget.max_steps=3", f"loss.name={loss[0]}", *loss[1:])
     assert seen == asked
 
 

@@ -108,7 +108,7 @@ def test_every_seed_and_arm_gets_a_run_and_its_evals(tmp_path):
                "-S teacher.path=T -S data.train=D.parquet" in by_name[f"{arms[0]}/seed{seed}"]
         for c in controls:
             assert (f"-S seed={seed} -S loss.name=sft -S loss.sft_source={c['sft_source']} -S teacher.source=model "
-                    f"-S data.pad_side=left -S budget.max_steps={c['steps']} -S publish.every_steps={c['every_steps']} "
+                    f"-S data.pad_side=left -S loss.reward_weight=0 -S budget.max_steps={c['steps']} -S publish.every_steps={c['every_steps']} "
                     f"-S experiment_name={c['name']}") in by_name[f"{c['name']}/seed{seed}"]
     # the evals: every kept checkpoint of every run (fake runs here), the last one into runs/eval
     for arm in arms + controls:

@@ -9,6 +9,8 @@ Layers, lowest first (each imports only those before it):
 - ``static``: the static-KV-cache CUDA-graph decoder on a bf16 inference copy;
 - ``hf``: ``HFEngine`` (``model.generate`` or the static decoder);
 - ``vllm``: ``VLLMEngine`` (the ``vllm`` extra);
+- ``vllm_teacher``: the teacher in vLLM (``teacher.source: vllm``): a server client or a colocated
+  engine scoring through prompt log-probs, and ``vocab_cut``;
 - ``sharded``: an engine over an FSDP2-sharded policy;
 - ``select``: ``make_engine`` (``rollout.engine: auto | hf | vllm``).
 """

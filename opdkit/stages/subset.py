@@ -24,15 +24,17 @@ from opdkit.data import Example, fingerprint, load_examples, write_rows
 from opdkit.recipes import load_config
 
 
-def example_row(ex: Example) -> dict:
-    """The row ``data.normalize_row`` reads back as the same ``Example``."""
+def example_row(ex: Example, teacher_column: str = "") -> dict:
+    """The row ``data.normalize_row`` reads back as the same ``Example`` (its teacher, where it names
+    one, in ``teacher_column``)."""
     prompt = ex.prompt if isinstance(ex.prompt, str) else [dict(m) for m in ex.prompt]
-    return {"id": ex.id, "prompt": prompt, "answer": ex.answer, "solution": ex.solution, "source": ex.source}
+    row = {"id": ex.id, "prompt": prompt, "answer": ex.answer, "solution": ex.solution, "source": ex.source}
+    return row | ({teacher_column: ex.teacher} if ex.teacher and teacher_column else {})
 
 
 def write_subset(src: Path, dst: Path, data_cfg) -> dict:
     examples = load_examples(src, data_cfg)
-    write_rows([example_row(ex) for ex in examples], dst)
+    write_rows([example_row(ex, data_cfg.teacher_column) for ex in examples], dst)
     if fingerprint(load_examples(dst, data_cfg)) != fingerprint(examples):
         raise RuntimeError(f"{dst} does not read back as the rows selected from {src} (a bug in example_row)")
     return {"source": str(src), "path": str(dst), "rows": len(examples), "fingerprint": fingerprint(examples)}

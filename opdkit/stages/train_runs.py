@@ -44,8 +44,9 @@ from opdkit.tracking import TrackingError, resolve as resolve_tracker
 TRAIN_IGNORES = ("eval", "studies", "pipeline", "embedded")  # sections opdkit train does not read
 # What the sft controls do not read: dvc.yaml's per-run train_control stages did not list these
 # (tests/test_stage_jobs.py trains a control with each changed and gets the same weights)
+# (nor the reward's baseline and scaling: their command sets loss.reward_weight=0)
 CONTROL_IGNORES = ("teacher.ema_decay", "loss.clip_eps", "loss.dual_clip", "loss.topk", "loss.tail_bucket",
-                   "loss.jsd_beta", "loss.clip", "loss.clip_tau")
+                   "loss.jsd_beta", "loss.clip", "loss.clip_tau", "loss.reward_baseline", "loss.reward_norm")
 REFERENCE_COST = 0.1  # an sft step on reference solutions (no rollout) against a sampling step: ~0.09 s vs ~1.1 s
 
 
