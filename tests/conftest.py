@@ -37,7 +37,8 @@ def tiny_llama(tok):
 # The order: per-file wall times measured with --durations (issue 27, a busy 2-core machine: shares
 # only); files not listed keep their order after these. It decides the order only, never what runs.
 LONGEST_FIRST = ("test_pipeline.py", "test_notebooks.py", "test_faults.py", "test_realscale.py", "test_distributed.py",
-                 "test_resume.py", "test_cli_errors.py", "test_runsh.py", "test_fixture.py", "test_doctor.py",
+                 "test_resume.py", "test_cli_errors.py", "test_runsh.py", "test_teachers.py", "test_vllm_teacher.py",
+                 "test_collectives.py", "test_fixture.py", "test_doctor.py",
                  "test_publish.py", "test_train_losses.py", "test_stage_jobs.py", "test_sampling.py",
                  "test_rollout.py", "test_privileged_live.py", "test_teacher.py", "test_studies.py")
 
