@@ -301,7 +301,7 @@ def _draw(cfg: Config, inputs: Inputs, lp: _Loop, world: distributed.World, step
     return batch, reward, lag
 
 
-def _check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, log) -> str | None:
+def _check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, log) -> dict | None:
     """On the first batch of a start: the sampler's log-probs against the loss's recomputation
     (``opd.alignment_report``; ``AlignmentError`` stops the run). The report, or None if not run."""
     align = None
@@ -416,8 +416,9 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
             waited = lp.engine.pop_waited() if cfg.rollout.overlap else 0.0  # waiting for the prefetch: rollout time
-            row = step_row(step, elapsed, lr, m, grad_norm, n_tok, n_seq, n_trunc, last_step_s, (t1 - t0 + waited, t2 - t1, t3 - t2 - waited),
-                       world.max(_peak_memory_gb(run.device))[0], lag if cfg.rollout.overlap else None, align, bad)
+            row = step_row(step, elapsed, lr, m, grad_norm, n_tok, n_seq, n_trunc, last_step_s,
+                           (t1 - t0 + waited, t2 - t1, t3 - t2 - waited), world.max(_peak_memory_gb(run.device))[0],
+                           lag if cfg.rollout.overlap else None, align, bad)
             lp.metrics_f.write(json.dumps(row) + "\n")
             lp.metrics_f.flush()
             lp.tracker.log(row)  # DVCLive / TensorBoard (a failure there warns and stops tracking, not the run)
