@@ -14,6 +14,10 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opdkit.config import Config
 
 SCHEDULES = ("constant", "linear", "cosine", "wallclock_cosine")
 
@@ -124,3 +128,14 @@ def lr_at(
     else:
         base = wallclock_cosine(elapsed_s, budget_s, lr, min_lr)
     return base * warmup_factor(step, warmup_steps)
+
+
+def should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> str | None:
+    """Why the loop stops before step ``step + 1`` (the step horizon, or the wall budget: the next
+    step would end past it, less budget.deadline_reserve_s), else None."""
+    b = cfg.budget
+    if b.max_steps and step >= b.max_steps:
+        return "step_horizon"
+    if b.max_wall_time_s and elapsed + last_step_s + b.deadline_reserve_s >= b.max_wall_time_s:
+        return "wall_clock"
+    return None

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import resource
@@ -60,34 +59,17 @@ import torch
 from tqdm.auto import tqdm
 
 from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, rewards, teachers, tracking, trainer_state
-from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
-from opdkit.config import Config, dump_yaml, to_dict
-from opdkit.fsutil import OutputLock, atomic_write_json, atomic_write_text
+from opdkit.rundir import METRICS_FILE, RUN_FILE, Start, TrainResult, begin, check_output_dir, finish, is_published, step_row
+from opdkit.checkpoints import list_checkpoints
+from opdkit.config import Config, to_dict
+from opdkit.fsutil import OutputLock, atomic_write_json
 from opdkit.publish import Publisher
 from opdkit.weights_io import export_dtype, parse_size
 from opdkit.engines.base import left_pad
 from opdkit.engines.select import make_engine
-from opdkit.schedules import lr_at, wallclock_clock
+from opdkit.schedules import lr_at, should_stop, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs, update_ema
 
-METRICS_FILE = "metrics/train.jsonl"
-RUN_FILE = "run.json"
-# Params sections that may change between the starts of one run; any other change would splice
-# two different runs together. Paths may change too (files move), the data fingerprint may not.
-RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded", "tracking")
-PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
-LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
-# where the teacher runs, not what it is: a resumed run may move it (another GPU, another server address)
-PLACEMENT_KEYS = ("teacher.device", "teacher.url", "teacher.timeout_s", "teacher.gpu_memory_utilization")
-
-
-@dataclass
-class TrainResult:
-    status: str  # "completed" | "stopped" (by a signal)
-    reason: str  # "step_horizon" | "wall_clock" | the signal's name ("SIGTERM", "SIGINT")
-    step: int
-    elapsed_s: float
-    checkpoints: list[str]
 
 
 def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = "shuffled") -> list[int]:
@@ -104,73 +86,6 @@ def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = 
     return out
 
 
-# --- the output directory and resuming ---------------------------------------------------------
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
-
-def _check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> None:
-    """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
-    old, new = _flat(state["config"]), _flat(to_dict(cfg))
-    fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
-             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS + PLACEMENT_KEYS
-             and old[k] != new[k]]
-    if fixed:
-        changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
-        raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
-                       "same values or choose another output directory")
-    horizon = (old.get("budget.schedule_steps") or old.get("budget.max_steps"),
-               cfg.budget.schedule_steps or cfg.budget.max_steps)  # (saved, these params')
-    if cfg.optim.schedule in ("linear", "cosine") and horizon[0] is not None and horizon[0] != horizon[1]:
-        raise RunError(f"{out} holds a run (step {state['step']}) whose optim.schedule={cfg.optim.schedule} runs over "
-                       f"{horizon[0]} steps; these params would make it {horizon[1]} and reshape the learning rate from "
-                       f"here on. Keep the horizon with budget.schedule_steps={horizon[0]} (budget.max_steps may then "
-                       "change: steps past the horizon run at optim.min_lr), or choose another output directory")
-    if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
-        raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
-                       "(fingerprints differ); resume it with the same data or choose another output directory")
-
-
-def _check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
-    """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
-    if out.exists() and not out.is_dir():
-        raise RunError(f"output directory {out} exists and is not a directory")
-    state = trainer_state.peek(out, cfg.runtime.state_dir)
-    if state is not None:
-        _check_resumable(cfg, inputs, state, out)
-    elif list_checkpoints(out / "checkpoints"):
-        names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
-        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume "
-                       "them from; choose another output directory or remove the old checkpoints")
-
-
-def _trim_metrics(out: Path, step: int) -> float:
-    """Keep the metrics lines of steps <= ``step`` (a killed attempt may have written later ones, the
-    last maybe half); return the largest ``elapsed_s`` among the dropped lines (time that was spent)."""
-    f = out / METRICS_FILE
-    if not f.exists():
-        return 0.0
-    kept, lost_elapsed = [], 0.0
-    for line in f.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the torn last line of a killed attempt
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            continue
-        if row["step"] <= step:
-            kept.append(line)
-        else:
-            lost_elapsed = max(lost_elapsed, row.get("elapsed_s") or 0.0)
-    atomic_write_text(f, "".join(ln + "\n" for ln in kept))
-    return lost_elapsed
-
-
 # --- publishing and stopping ------------------------------------------------------------------
 
 
@@ -184,10 +99,6 @@ def _publish(publisher: Publisher, run: Run, step: int, elapsed: float) -> None:
     publisher.submit(step=step, state_dict=distributed.export_state_dict(run.student), model_config=base.config,
                      tokenizer=run.tokenizer, generation_config=base.generation_config, meta=meta,
                      dtype=run.extras["publish_dtype"])
-
-
-def _is_published(out: Path, step: int) -> bool:
-    return is_valid_checkpoint(out / "checkpoints" / f"checkpoint-{step}", full=False)[0]
 
 
 def _peak_memory_gb(device: torch.device) -> float:
@@ -208,37 +119,10 @@ def _clock(device: torch.device) -> float:
     return time.monotonic()
 
 
-def _should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> str | None:
-    b = cfg.budget
-    if b.max_steps and step >= b.max_steps:
-        return "step_horizon"
-    if b.max_wall_time_s and elapsed + last_step_s + b.deadline_reserve_s >= b.max_wall_time_s:
-        return "wall_clock"
-    return None
-
-
-def _finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
-            experiment_name: str, tracked: dict | None = None) -> TrainResult:
-    status = "stopped" if reason.startswith("SIG") else "completed"
-    result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
-    if not world.is_main:
-        return result
-    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name,
-                                       **({"tracking": tracked} if tracked else {})})
-    log(f"training {'stopped by ' if status == 'stopped' else 'ended '}({reason}) at step {step} after {elapsed:.1f}s; "
-        f"{surviving_checkpoints_message(out / 'checkpoints')}")
-    return result
-
-
 def _stop_signal(world: distributed.World) -> str | None:
     """The name of a stop signal any rank received (every rank gets the same answer), else None."""
     (signum,) = world.max(interrupt.requested())
     return signal.Signals(int(signum)).name if signum else None
-
-
-def _finite_row(row: dict) -> dict:
-    """NaN / inf as null: train.jsonl stays strict JSON (the row says which values were non-finite)."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -257,7 +141,7 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
         raise RunError(str(e)) from None
     if cfg.runtime.max_nonfinite_skips < 0:
         raise RunError(f"runtime.max_nonfinite_skips must be >= 0, got {cfg.runtime.max_nonfinite_skips}")
-    _check_output_dir(Path(out), cfg, inputs)
+    check_output_dir(Path(out), cfg, inputs)
     return inputs
 
 
@@ -302,32 +186,24 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> Tra
             raise
 
 
-def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
-                  world: distributed.World, at: guards.StepProgress) -> TrainResult:
-    state = trainer_state.peek(out, cfg.runtime.state_dir)  # again, now that no other run can change it
-    if state is not None:
-        _check_resumable(cfg, inputs, state, out)
-    step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
-    seen = world.gather(step if state is not None else None)  # every rank restores the same state
-    if len(set(seen)) > 1:
-        raise RunError(f"the ranks see different trainer states in {trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several "
-                       "nodes the output directory must be one shared directory")
-    lost_elapsed = _trim_metrics(out, step) if world.is_main else 0.0
-    elapsed0 = world.from_main(max(state["elapsed_s"], lost_elapsed) if state else 0.0)
-    if world.is_main:
-        atomic_write_text(out / "config.yaml", dump_yaml(cfg))
-        atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size})
-    log("resolved config:\n" + dump_yaml(cfg))
-    if state is not None:
-        log(f"resuming from {state['path']}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
-            + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
-               if lost_elapsed > state["elapsed_s"] else ""))
-        reason = _should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
-        reason, done = world.from_main((reason, bool(reason) and _is_published(out, step)))
-        if done:
-            log(f"this run already reached its end ({reason}) and checkpoint-{step} is published: nothing to do")
-            return _finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world, cfg.experiment_name)
+@dataclass
+class _Loop:
+    """What the loop runs with, built once per start by ``_setup``."""
+    run: Run
+    engine: object  # the student's sampler (an ``overlap.Lookahead`` around it with rollout.overlap)
+    teacher_engine: object | None  # the sft control's sampler (the teacher's), else None
+    publisher: Publisher | distributed.NullPublisher
+    metrics_f: object  # train.jsonl, appended to (os.devnull on ranks other than 0)
+    tracker: tracking.Tracker
+    mine: slice  # this rank's prompts of a step
+    reads_logp: bool  # the loss reads the sampler's log-probs (else recorded for the alignment check only)
+    published_step: int | None  # the newest step whose checkpoint is published or being published
 
+
+def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World, start: Start) -> _Loop:
+    """Build the run (restored from ``start.state``, sharded under torchrun), its samplers, the
+    publisher and metrics file; publish the restored weights if they never were; open the tracker."""
+    state = start.state
     run = build_run(cfg, inputs, log)
     run.extras["code_revision"] = code_revision()
     # states saved before the key existed: their schedule started at 0 s
@@ -336,7 +212,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     if state is not None:
         trainer_state.restore(run, state)  # unsharded, on every rank
     pending = state.get("pending_rollout") if state is not None else None
-    del state
+    start.state = state = None  # restored into the run
     if world.active:  # torchrun: shard the student (and teacher) over the ranks
         run = distributed.shard_run(run, world)
     if world.is_main:
@@ -350,170 +226,210 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
                       if loss_table.samples_from(cfg.loss) == "teacher" else None)
-    R, P, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-    if R.overlap:  # one-step-off: the next step's batch is drawn while this one trains (opdkit.overlap)
+    if cfg.rollout.overlap:  # one-step-off: the next step's batch is drawn while this one trains (opdkit.overlap)
         engine = overlap.Lookahead(engine, run.autocast, run.device)
         engine.restore(pending)
     engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
-    mine = world.share(P)  # this rank's prompts of a step: mine.start .. mine.stop-1 (global sample seeds)
-    reads_logp = loss_table.reads_sampling_logp(cfg.loss, cfg.rollout)  # else recorded for the alignment check only
-
-    def step_batch(step_i: int, pos: int):
-        """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
-        examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order)][mine]
-        return examples, run.prompts(examples), opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=mine.start * G)
-
-    pad_id = run.tokenizer.pad_token_id
-    horizon = cfg.budget.schedule_steps or cfg.budget.max_steps
-    elapsed, last_step_s = elapsed0 + time.monotonic() - t_start, 0.0
-    published_step = None  # the newest step whose checkpoint is published or being published
-    start_step, skips = step, 0  # skips: consecutive steps whose non-finite update was dropped
-    if step and world.from_main(_is_published(out, step)):
+    mine = world.share(cfg.rollout.prompts_per_step)  # mine.start .. mine.stop-1 (global sample seeds)
+    reads_logp = loss_table.reads_sampling_logp(cfg.loss, cfg.rollout)
+    step, published_step = start.step, None
+    if step and world.from_main(is_published(out, step)):
         published_step = step
     elif step:
-        _publish(publisher, run, step, elapsed)  # the state's weights were never published: do it now
+        _publish(publisher, run, step, start.elapsed0 + time.monotonic() - t_start)  # never published: do it now
         published_step = step
-    first_step = step  # the alignment check runs on the first batch of every start
     # DVCLive / TensorBoard beside train.jsonl (rank 0); its history is rebuilt from train.jsonl's kept rows
     tracker = (tracking.Tracker(tracking.resolve(cfg.tracking), out, out / METRICS_FILE, to_dict(cfg), log)
                if world.is_main else tracking.Tracker("none"))
+    return _Loop(run, engine, teacher_engine, publisher, metrics_f, tracker, mine, reads_logp, published_step)
+
+
+def _set_lr(cfg: Config, run: Run, step: int, elapsed: float, last_step_s: float) -> float:
+    """The learning rate of step ``step + 1``, set on the optimizer (the run's first step starts the
+    wall-clock schedule, which ends when the loop will stop: see ``_should_stop``)."""
+    if run.extras["lr_clock_start_s"] is None:
+        run.extras["lr_clock_start_s"] = elapsed
+    lr_elapsed_s, lr_budget_s = wallclock_clock(elapsed, run.extras["lr_clock_start_s"], cfg.budget.max_wall_time_s,
+                                                cfg.budget.deadline_reserve_s, last_step_s)
+    lr = lr_at(cfg.optim.schedule, step=step, total_steps=cfg.budget.schedule_steps or cfg.budget.max_steps,
+               elapsed_s=lr_elapsed_s, budget_s=lr_budget_s, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
+               warmup_steps=cfg.optim.warmup_steps)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def _step_batch(cfg: Config, inputs: Inputs, lp: _Loop, step_i: int, pos: int):
+    """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
+    P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order)][lp.mine]
+    return examples, lp.run.prompts(examples), opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=lp.mine.start * G)
+
+
+def _draw(cfg: Config, inputs: Inputs, lp: _Loop, world: distributed.World, step: int, data_pos: int, first: bool,
+          elapsed: float, last_step_s: float):
+    """Step ``step + 1``'s batch: P prompts x G samples from the student (or the teacher / the
+    references for sft; a rank of a sharded run takes prompts mine.start .. mine.stop-1), the
+    teacher's view of them, and their rewards (None at λ = 0). With rollout.overlap the batch was
+    drawn during the previous step, and the next step's is started here. Returns (batch, reward,
+    lag): lag = updates between the weights that drew the batch and those it trains."""
+    R, G, run, engine = cfg.rollout, cfg.rollout.samples_per_prompt, lp.run, lp.engine
+    pad_id = run.tokenizer.pad_token_id
+    examples, prompts, seeds = _step_batch(cfg, inputs, lp, step, data_pos)
+    lag = 0
+    draw = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
+    if loss_table.samples_from(cfg.loss) == "reference":
+        sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
+        rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
+    else:
+        sampler = lp.teacher_engine or engine
+        with run.autocast():
+            rollout = sampler.sample(prompts, seeds=seeds, logprobs=lp.reads_logp or first, **draw)
+        if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
+            lag = engine.lag
+            if not should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s):
+                _, next_prompts, next_seeds = _step_batch(cfg, inputs, lp, step + 1, data_pos + R.prompts_per_step)
+                engine.prefetch(next_prompts, seeds=next_seeds, logprobs=lp.reads_logp, **draw)
+    if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
+        t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
+    else:  # privileged: the teacher's prompt also holds the reference solution
+        priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
+        t_ids, t_mask = left_pad(priv, pad_id, run.device)
+    batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side, teacher_B=run.teacher_rows(examples, G))
+    # OPD plus a verifiable reward: every completion graded against its row's answer (None at λ = 0)
+    reward = rewards.attach(cfg, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}")
+    return batch, reward, lag
+
+
+def _check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, log) -> dict | None:
+    """On the first batch of a start: the sampler's log-probs against the loss's recomputation
+    (``opd.alignment_report``; ``AlignmentError`` stops the run). The report, or None if not run."""
+    align = None
+    if cfg.runtime.alignment_check and lag:
+        log("alignment check skipped: this start's first batch was drawn (rollout.overlap=1) by the weights one "
+            "update before the restored ones; it ran on the run's first batch")
+    elif cfg.runtime.alignment_check and loss_table.samples_from(cfg.loss) == "student":
+        with run.autocast():  # recomputed as the loss recomputes them
+            align = opd.alignment_report(cfg, batch, run.student, opd.check_precision(cfg, run.dtype, run.device))
+    if align:
+        log(f"alignment check passed on the first batch: {align}")
+    return align
+
+
+def _losses(cfg: Config, run: Run, world: distributed.World, batch: opd.Batch, contexts, reward):
+    """Loss + backward, micro-batched, as a token mean over the whole step (FSDP averages gradients
+    over ranks, hence / world.size). Returns (metrics reduced over ranks, tokens, sequences,
+    truncated sequences), the counts summed over ranks."""
+    rollout = batch.rollout
+    n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
+                                      int(rollout.truncated_B.sum()))
+    m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+    m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
+    m = distributed.reduce_metrics(m, world)
+    m = rewards.finish_metrics(reward, teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers)))
+    return m, n_tok, n_seq, n_trunc
+
+
+def _update(cfg: Config, run: Run, engine, m: dict, step_no: int, skips: int, log):
+    """Clip the gradients and step the optimizer, unless the loss or gradient norm is non-finite
+    (``guards.stop_or_skip``: raises under runtime.on_nonfinite=stop or after too many skips; else
+    the update is dropped); then check the parameters, update the EMA teacher, sync the sampler.
+    Returns (grad_norm, the non-finite names or an empty list, consecutive skips)."""
+    trainable = [p for p in run.student.parameters() if p.requires_grad]
+    grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+    # loss and norm are global (reduced over ranks): every rank takes the same decision
+    bad = guards.nonfinite_values(loss=m["loss"], grad_norm=grad_norm)
+    skips = skips + 1 if bad else 0
+    if bad:
+        guards.stop_or_skip(bad, {"loss": m["loss"], "grad_norm": grad_norm}, step_no, skips,
+                            cfg.runtime.on_nonfinite, cfg.runtime.max_nonfinite_skips)
+        run.optimizer.zero_grad(set_to_none=True)
+        log(f"step {step_no}: non-finite {', '.join(bad)}; update skipped ({skips} in a row)")
+    else:
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        guards.check_parameters(trainable, step_no)
+        if run.ema is not None:
+            update_ema(run.ema, run.student, cfg.teacher.ema_decay)
+        engine.sync_weights(run.student)  # a separate inference engine (vLLM) samples the new weights
+    return grad_norm, bad, skips
+
+
+def _save(cfg: Config, out: Path, lp: _Loop, step: int, elapsed: float, data_pos: int, log) -> None:
+    """The trainer state at ``step``, once the previous export has succeeded (state before the
+    checkpoint of the same step: see the module docstring)."""
+    lp.publisher.wait()
+    trainer_state.save(out, lp.run, step, elapsed, data_pos, log, lp.engine.state() if cfg.rollout.overlap else None)
+
+
+def _publish_final(cfg: Config, out: Path, lp: _Loop, reason: str, step: int, start_step: int, published_step: int | None,
+                   elapsed: float, data_pos: int, log) -> None:
+    """The intended end (also at step 0 when the wall budget is already spent): the final weights
+    are saved and published, and we wait until the checkpoint is complete. A stop signal: the
+    steps of this start are saved; the checkpoint too unless the wall budget is spent."""
+    stopped = reason.startswith("SIG")
+    if published_step != step and not (stopped and step == start_step):
+        _save(cfg, out, lp, step, elapsed, data_pos, log)
+        if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
+            log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
+                "(a rerun publishes it)")
+        else:
+            _publish(lp.publisher, lp.run, step, elapsed)
+    lp.publisher.close()  # raises PublishError if any export failed
+
+
+def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
+                  world: distributed.World, at: guards.StepProgress) -> TrainResult:
+    start = begin(cfg, inputs, out, log, t_start, world)
+    if start.done:
+        return start.done
+    lp = _setup(cfg, inputs, out, log, t_start, world, start)
+    run, step, data_pos, elapsed0 = lp.run, start.step, start.data_pos, start.elapsed0
+    start_step = first_step = step  # the alignment check runs on the first batch of every start
+    published_step, skips, last_step_s = lp.published_step, 0, 0.0  # skips: non-finite updates dropped in a row
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
-    with publisher, metrics_f, bar, tracker:
+    with lp.publisher, lp.metrics_f, bar, lp.tracker:
         while True:
-            publisher.check()  # a failed background export stops the run here, never silently
+            lp.publisher.check()  # a failed background export stops the run here, never silently
             # rank 0's clock for all: the same stop decision and wall-clock learning rate everywhere
             elapsed, last_step_s = world.broadcast(elapsed0 + time.monotonic() - t_start, last_step_s)
-            reason = _should_stop(cfg, step, elapsed, last_step_s) or _stop_signal(world)
+            reason = should_stop(cfg, step, elapsed, last_step_s) or _stop_signal(world)
             if reason:
                 break
             at.step, at.phase = step + 1, "rollout"
             t0 = _clock(run.device)
-            if run.extras["lr_clock_start_s"] is None:  # the run's first step starts the wall-clock schedule
-                run.extras["lr_clock_start_s"] = elapsed
-            # ... which ends when this loop will stop (see _should_stop)
-            lr_elapsed_s, lr_budget_s = wallclock_clock(elapsed, run.extras["lr_clock_start_s"], cfg.budget.max_wall_time_s,
-                                                        cfg.budget.deadline_reserve_s, last_step_s)
-            lr = lr_at(cfg.optim.schedule, step=step, total_steps=horizon, elapsed_s=lr_elapsed_s, budget_s=lr_budget_s,
-                       lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, warmup_steps=cfg.optim.warmup_steps)
-            for g in run.optimizer.param_groups:
-                g["lr"] = lr
-
-            # 1. rollout: P prompts x G samples from the student (or the teacher / references for sft);
-            # a rank of a sharded run takes prompts mine.start .. mine.stop-1 (global sample seeds)
-            examples, prompts, seeds = step_batch(step, data_pos)
-            data_pos += P
-            lag = 0  # updates between the weights that drew the batch and those it trains (rollout.overlap)
-            draw = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
-            if loss_table.samples_from(cfg.loss) == "reference":
-                sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
-                rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
-            else:
-                sampler = teacher_engine or engine
-                with run.autocast():
-                    rollout = sampler.sample(prompts, seeds=seeds, logprobs=reads_logp or step == first_step, **draw)
-                if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
-                    lag = engine.lag
-                    if not _should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s):
-                        _, next_prompts, next_seeds = step_batch(step + 1, data_pos)
-                        engine.prefetch(next_prompts, seeds=next_seeds, logprobs=reads_logp, **draw)
-            if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
-                t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
-            else:  # privileged: the teacher's prompt also holds the reference solution
-                priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
-                t_ids, t_mask = left_pad(priv, pad_id, run.device)
-            batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side, teacher_B=run.teacher_rows(examples, G))
-            # OPD plus a verifiable reward: every completion graded against its row's answer (None at λ = 0)
-            reward = rewards.attach(cfg, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}")
+            lr = _set_lr(cfg, run, step, elapsed, last_step_s)
+            # 1. rollout, 2. teacher scoring, 3. loss + backward, 4. update
+            batch, reward, lag = _draw(cfg, inputs, lp, world, step, data_pos, step == first_step, elapsed, last_step_s)
+            data_pos += cfg.rollout.prompts_per_step
             t1 = _clock(run.device)
-            align = None
-            if cfg.runtime.alignment_check and step == first_step and lag:
-                log("alignment check skipped: this start's first batch was drawn (rollout.overlap=1) by the weights one "
-                    "update before the restored ones; it ran on the run's first batch")
-            elif cfg.runtime.alignment_check and step == first_step and loss_table.samples_from(cfg.loss) == "student":
-                with run.autocast():  # recomputed as the loss recomputes them; AlignmentError stops the run
-                    align = opd.alignment_report(cfg, batch, run.student,
-                                                 opd.check_precision(cfg, run.dtype, run.device))
-            if align:
-                log(f"alignment check passed on the first batch: {align}")
-
-            # 2. teacher scoring, 3. loss + backward (micro-batched, token mean over the step), 4. update
+            align = _check_alignment(cfg, run, batch, lag, log) if step == first_step else None
             at.phase = "score"
             contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
             t2 = _clock(run.device)
             at.phase = "update"
-            # the token mean over the whole step: FSDP averages gradients over ranks, hence / world.size
-            n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
-                                              int(rollout.truncated_B.sum()))
-            m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
-            m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
-            m = distributed.reduce_metrics(m, world)
-            m = rewards.finish_metrics(reward, teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers)))
-            trainable = [p for p in run.student.parameters() if p.requires_grad]
-            grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
-            # loss and norm are global (reduced over ranks): every rank takes the same decision
-            bad = guards.nonfinite_values(loss=m["loss"], grad_norm=grad_norm)
-            skips = skips + 1 if bad else 0
-            if bad:  # before the optimizer steps: raises under "stop", or after too many skips
-                guards.stop_or_skip(bad, {"loss": m["loss"], "grad_norm": grad_norm}, step + 1, skips,
-                                    cfg.runtime.on_nonfinite, cfg.runtime.max_nonfinite_skips)
-                run.optimizer.zero_grad(set_to_none=True)  # skip: this step's update is dropped
-                log(f"step {step + 1}: non-finite {', '.join(bad)}; update skipped ({skips} in a row)")
-            else:
-                run.optimizer.step()
-                run.optimizer.zero_grad(set_to_none=True)
-                guards.check_parameters(trainable, step + 1)
-                if run.ema is not None:
-                    update_ema(run.ema, run.student, cfg.teacher.ema_decay)
-                engine.sync_weights(run.student)  # a separate inference engine (vLLM) samples the new weights
+            m, n_tok, n_seq, n_trunc = _losses(cfg, run, world, batch, contexts, reward)
+            grad_norm, bad, skips = _update(cfg, run, lp.engine, m, step + 1, skips, log)
             step += 1
             at.phase = "bookkeeping"
             t3 = _clock(run.device)
             last_step_s = t3 - t0
             elapsed = elapsed0 + t3 - t_start
-            waited = engine.pop_waited() if R.overlap else 0.0  # waiting for the prefetch (in sync_weights): rollout time
-
-            n_tok = int(n_tok)  # whole step, all ranks (times and memory: rank 0's / the largest)
-            row = {
-                "step": step, "elapsed_s": round(elapsed, 3), "lr": lr, "loss": m["loss"], "kl": m.get("kl"),
-                "grad_norm": grad_norm, "response_len": n_tok / n_seq,
-                "truncated_frac": n_trunc / n_seq, "tokens": n_tok,
-                "tokens_per_s": n_tok / max(1e-9, last_step_s),
-                "time_rollout_s": t1 - t0 + waited, "time_score_s": t2 - t1, "time_update_s": t3 - t2 - waited,
-                "peak_mem_gb": world.max(_peak_memory_gb(run.device))[0],
-            }
-            row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
-            if R.overlap:
-                row["rollout_lag"] = lag
-            if align:
-                row["alignment"] = align
-            if bad:
-                row["skipped_nonfinite"] = bad
-            row = _finite_row(row)
-            metrics_f.write(json.dumps(row) + "\n")
-            metrics_f.flush()
-            tracker.log(row)  # DVCLive / TensorBoard (a failure there warns and stops tracking, not the run)
+            waited = lp.engine.pop_waited() if cfg.rollout.overlap else 0.0  # waiting for the prefetch: rollout time
+            row = step_row(step, elapsed, lr, m, grad_norm, n_tok, n_seq, n_trunc, last_step_s,
+                           (t1 - t0 + waited, t2 - t1, t3 - t2 - waited), world.max(_peak_memory_gb(run.device))[0],
+                           lag if cfg.rollout.overlap else None, align, bad)
+            lp.metrics_f.write(json.dumps(row) + "\n")
+            lp.metrics_f.flush()
+            lp.tracker.log(row)  # DVCLive / TensorBoard (a failure there warns and stops tracking, not the run)
             _reset_peak_memory(run.device)  # the next row's peak: its step, and any publishing before it
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('kl') or 0:.4f}", s=f"{last_step_s:.2f}")
             if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
                 at.phase = "publish"
-                publisher.wait()  # the previous export must have succeeded before we move the state on
-                trainer_state.save(out, run, step, elapsed, data_pos, log,  # state first: see the module docstring
-                                   engine.state() if R.overlap else None)
-                _publish(publisher, run, step, elapsed)
+                _save(cfg, out, lp, step, elapsed, data_pos, log)
+                _publish(lp.publisher, run, step, elapsed)
                 published_step = step
-        # the intended end (also at step 0 when the wall budget is already spent): the final
-        # weights are saved and published, and we wait until the checkpoint is complete. A stop
-        # signal: the steps of this start are saved; the checkpoint too unless the wall budget is spent
         at.phase = "publish"
-        stopped = reason.startswith("SIG")
-        if published_step != step and not (stopped and step == start_step):
-            publisher.wait()
-            trainer_state.save(out, run, step, elapsed, data_pos, log, engine.state() if R.overlap else None)
-            if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
-                log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
-                    "(a rerun publishes it)")
-            else:
-                _publish(publisher, run, step, elapsed)
-        publisher.close()  # raises PublishError if any export failed
-    return _finish(out, reason, step, elapsed, log, world, cfg.experiment_name, tracker.record)
+        _publish_final(cfg, out, lp, reason, step, start_step, published_step, elapsed, data_pos, log)
+    return finish(out, reason, step, elapsed, log, world, cfg.experiment_name, lp.tracker.record)

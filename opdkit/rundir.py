@@ -1,0 +1,193 @@
+"""The output directory of a run (its layout: ``opdkit.train``): whether a start may resume the run
+it holds, train.jsonl's rows (and dropping those a killed attempt left), run.json's record of the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from opdkit import distributed, trainer_state
+from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
+from opdkit.config import Config, dump_yaml, to_dict
+from opdkit.fsutil import atomic_write_json, atomic_write_text
+from opdkit.schedules import should_stop
+from opdkit.setup import Inputs, RunError
+
+METRICS_FILE = "metrics/train.jsonl"
+RUN_FILE = "run.json"
+# Params sections that may change between the starts of one run; any other change would splice
+# two different runs together. Paths may change too (files move), the data fingerprint may not.
+RESUMABLE_SECTIONS = ("budget", "publish", "runtime", "eval", "studies", "doctor", "pipeline", "embedded", "tracking")
+PATH_KEYS = ("student.path", "teacher.path", "data.train", "data.eval")
+LABEL_KEYS = ("recipe", "experiment_name")  # names, not values: the values a recipe sets are compared
+# where the teacher runs, not what it is: a resumed run may move it (another GPU, another server address)
+PLACEMENT_KEYS = ("teacher.device", "teacher.url", "teacher.timeout_s", "teacher.gpu_memory_utilization")
+
+
+@dataclass
+class TrainResult:
+    status: str  # "completed" | "stopped" (by a signal)
+    reason: str  # "step_horizon" | "wall_clock" | the signal's name ("SIGTERM", "SIGINT")
+    step: int
+    elapsed_s: float
+    checkpoints: list[str]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> None:
+    """Refuse to continue a run in ``out`` with params or data that would make it a different run."""
+    old, new = _flat(state["config"]), _flat(to_dict(cfg))
+    fixed = [k for k in sorted(set(old) & set(new))  # a knob added to opdkit since then does not count
+             if k.split(".")[0] not in RESUMABLE_SECTIONS and k not in PATH_KEYS + LABEL_KEYS + PLACEMENT_KEYS
+             and old[k] != new[k]]
+    if fixed:
+        changes = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in fixed[:4])
+        raise RunError(f"{out} holds a run (step {state['step']}) with other params ({changes}); resume it with the "
+                       "same values or choose another output directory")
+    horizon = (old.get("budget.schedule_steps") or old.get("budget.max_steps"),
+               cfg.budget.schedule_steps or cfg.budget.max_steps)  # (saved, these params')
+    if cfg.optim.schedule in ("linear", "cosine") and horizon[0] is not None and horizon[0] != horizon[1]:
+        raise RunError(f"{out} holds a run (step {state['step']}) whose optim.schedule={cfg.optim.schedule} runs over "
+                       f"{horizon[0]} steps; these params would make it {horizon[1]} and reshape the learning rate from "
+                       f"here on. Keep the horizon with budget.schedule_steps={horizon[0]} (budget.max_steps may then "
+                       "change: steps past the horizon run at optim.min_lr), or choose another output directory")
+    if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
+        raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
+                       "(fingerprints differ); resume it with the same data or choose another output directory")
+
+
+def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
+    """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
+    if out.exists() and not out.is_dir():
+        raise RunError(f"output directory {out} exists and is not a directory")
+    state = trainer_state.peek(out, cfg.runtime.state_dir)
+    if state is not None:
+        check_resumable(cfg, inputs, state, out)
+    elif list_checkpoints(out / "checkpoints"):
+        names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
+        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume "
+                       "them from; choose another output directory or remove the old checkpoints")
+
+
+def trim_metrics(out: Path, step: int) -> float:
+    """Keep the metrics lines of steps <= ``step`` (a killed attempt may have written later ones, the
+    last maybe half); return the largest ``elapsed_s`` among the dropped lines (time that was spent)."""
+    f = out / METRICS_FILE
+    if not f.exists():
+        return 0.0
+    kept, lost_elapsed = [], 0.0
+    for line in f.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the torn last line of a killed attempt
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            continue
+        if row["step"] <= step:
+            kept.append(line)
+        else:
+            lost_elapsed = max(lost_elapsed, row.get("elapsed_s") or 0.0)
+    atomic_write_text(f, "".join(ln + "\n" for ln in kept))
+    return lost_elapsed
+
+
+def is_published(out: Path, step: int) -> bool:
+    return is_valid_checkpoint(out / "checkpoints" / f"checkpoint-{step}", full=False)[0]
+
+
+def finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
+            experiment_name: str, tracked: dict | None = None) -> TrainResult:
+    status = "stopped" if reason.startswith("SIG") else "completed"
+    result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
+    if not world.is_main:
+        return result
+    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name,
+                                       **({"tracking": tracked} if tracked else {})})
+    log(f"training {'stopped by ' if status == 'stopped' else 'ended '}({reason}) at step {step} after {elapsed:.1f}s; "
+        f"{surviving_checkpoints_message(out / 'checkpoints')}")
+    return result
+
+
+
+@dataclass
+class Start:
+    """Where this start begins: the trainer state it restores (None: a fresh run), its step and data
+    position, the wall time already spent; ``done``: the run had already ended (nothing to do)."""
+    state: dict | None
+    step: int
+    data_pos: int
+    elapsed0: float
+    done: TrainResult | None = None
+
+
+def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World) -> Start:
+    """Restore or start afresh: check the state again under the lock, make the ranks agree on it,
+    drop the metrics lines of a killed attempt, record this start (config.yaml, run.json), and
+    end at once when the run already reached its end with its checkpoint published."""
+    state = trainer_state.peek(out, cfg.runtime.state_dir)  # again, now that no other run can change it
+    if state is not None:
+        check_resumable(cfg, inputs, state, out)
+    step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
+    seen = world.gather(step if state is not None else None)  # every rank restores the same state
+    if len(set(seen)) > 1:
+        raise RunError(f"the ranks see different trainer states in {trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several "
+                       "nodes the output directory must be one shared directory")
+    lost_elapsed = trim_metrics(out, step) if world.is_main else 0.0
+    elapsed0 = world.from_main(max(state["elapsed_s"], lost_elapsed) if state else 0.0)
+    if world.is_main:
+        atomic_write_text(out / "config.yaml", dump_yaml(cfg))
+        atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size})
+    log("resolved config:\n" + dump_yaml(cfg))
+    start = Start(state, step, data_pos, elapsed0)
+    if state is not None:
+        log(f"resuming from {state['path']}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
+            + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
+               if lost_elapsed > state["elapsed_s"] else ""))
+        reason = should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
+        reason, done = world.from_main((reason, bool(reason) and is_published(out, step)))
+        if done:
+            log(f"this run already reached its end ({reason}) and checkpoint-{step} is published: nothing to do")
+            start.done = finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world, cfg.experiment_name)
+    return start
+
+
+# --- train.jsonl's rows ------------------------------------------------------------------------
+
+
+def step_row(step: int, elapsed: float, lr: float, m: dict, grad_norm: float, n_tok: float, n_seq: int, n_trunc: int,
+         step_s: float, times_s: tuple[float, float, float], peak_mem_gb: float, lag: int | None, align, bad) -> dict:
+    """The step's train.jsonl row: whole step, all ranks (times and memory: rank 0's / the largest);
+    ``times_s``: the (rollout, score, update) seconds of the ``step_s``; ``lag``: None without
+    rollout.overlap; ``bad``: the non-finite values of a skipped update. NaN / inf as null."""
+    n_tok = int(n_tok)
+    row = {
+        "step": step, "elapsed_s": round(elapsed, 3), "lr": lr, "loss": m["loss"], "kl": m.get("kl"),
+        "grad_norm": grad_norm, "response_len": n_tok / n_seq,
+        "truncated_frac": n_trunc / n_seq, "tokens": n_tok,
+        "tokens_per_s": n_tok / max(1e-9, step_s),
+        "time_rollout_s": times_s[0], "time_score_s": times_s[1], "time_update_s": times_s[2],
+        "peak_mem_gb": peak_mem_gb,
+    }
+    row.update({k: v for k, v in m.items() if k not in row and k not in ("tokens", "loss")})
+    if lag is not None:
+        row["rollout_lag"] = lag
+    if align:
+        row["alignment"] = align
+    if bad:
+        row["skipped_nonfinite"] = bad
+    return finite_row(row)
+
+
+def finite_row(row: dict) -> dict:
+    """NaN / inf as null: train.jsonl stays strict JSON (the row says which values were non-finite)."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
