@@ -287,7 +287,7 @@ class PipelineConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     baseline_arm: str = "rkl"  # the OPD arms are loss.name and this one, each at budget.max_steps
     controls: tuple[ControlArm, ...] = (
-        ControlArm("sft_teacher", "teacher", 91, 31, "wall"),  # calibrated on the embedded default (params.yaml says how)
+        ControlArm("sft_teacher", "teacher", 138, 46, "wall"),  # calibrated on the embedded default (params.yaml says how)
         ControlArm("sft_reference", "reference", 120, 40, "steps"),
     )
 

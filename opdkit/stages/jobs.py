@@ -184,7 +184,8 @@ def _clear_outputs(job: Job) -> None:
 # --- the worker processes --------------------------------------------------------------------
 
 
-def _init_worker(threads: int) -> None:
+def init_worker(threads: int) -> None:
+    """A worker process's environment (train stage, eval stage, calibration): one thread, no spinning."""
     os.environ["OMP_NUM_THREADS"] = str(threads)  # before torch is imported (the first job imports it)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -259,7 +260,7 @@ def run_jobs(jobs: list[Job], ledger: str | Path, workers: int, threads: int, ro
         log(f"running {len(todo)} job(s) in {n} process(es) of {threads} thread(s) each; logs: "
             f"{', '.join(sorted({str(Path(j.log).parent) for j in todo}))}")
         ctx = multiprocessing.get_context("spawn")
-        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker, initargs=(threads,))
+        pool = cf.ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=init_worker, initargs=(threads,))
         t0 = time.monotonic()
         try:
             futures = {pool.submit(_run_one, j.argv, j.log): j for j in sorted(todo, key=lambda j: -j.cost)}
