@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         page.goto(Path(args.html).resolve().as_uri())
         # a grid of plots, not one long column; then wait until each has drawn
         page.add_style_tag(content=f"body {{display: grid; grid-template-columns: repeat({args.columns}, auto);}}")
-        n = page.locator("body > div[id]").count()  # one per plot (vegaEmbed draws into it)
-        page.wait_for_function(f"document.querySelectorAll('.vega-embed canvas, .vega-embed svg').length >= {n}",
-                               timeout=60_000)
+        n = page.locator("body > div[id]").count()  # one per plot: vegaEmbed draws into it, or an image plot's <img>
+        page.wait_for_function("[...document.querySelectorAll('body > div[id]')].every(d => d.querySelector("
+                               "'img, .vega-embed canvas, .vega-embed svg'))", timeout=60_000)
         png = page.screenshot(full_page=True)
         browser.close()
     img = Image.open(io.BytesIO(png)).convert("RGB")
