@@ -101,21 +101,27 @@ def forward_flops(f: dict, seq_lens: list[int], head_tokens: int) -> float:
 # ----------------------------------------------------------------------------- roofline
 
 
-def roofline(args) -> dict:
-    x = torch.randn(2**29, device="cuda", dtype=torch.float32)  # 2 GiB
+def copy_bandwidth(device="cuda", numel: int = 2**29, warmup: int = 3, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth of ``numel`` fp32 (bytes read + written per second), median of
+    ``reps`` after ``warmup`` copies; NaN off CUDA."""
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    x = torch.randn(numel, device=device, dtype=torch.float32)
     y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
     times = []
-    for _ in range(20):
+    for i in range(warmup + reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         y.copy_(x)
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    copy_bw = 2 * x.numel() * 4 / sorted(times)[len(times) // 2]  # bytes read + written
-    del x, y
+        if i >= warmup:
+            times.append(a.elapsed_time(b) / 1e3)
+    return 2 * numel * 4 / sorted(times)[len(times) // 2]
+
+
+def roofline(args) -> dict:
+    copy_bw = copy_bandwidth("cuda")  # 2 GiB, median of 20
     n = 8192
     a_, b_ = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):

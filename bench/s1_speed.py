@@ -70,22 +70,10 @@ def lane_prompts(root: Path, tok, n: int, start: int = 0) -> list[list[int]]:
 
 
 def copy_bandwidth(device) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), median of 10."""
-    if torch.device(device).type != "cuda":
-        return float("nan")
-    x = torch.empty(2**28, device=device, dtype=torch.float32)  # 1 GiB
-    y = torch.empty_like(x)
-    times = []
-    for i in range(13):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    return 2 * 2**28 * 4 / sorted(times)[len(times) // 2]
+    """Device-to-device copy bandwidth (bytes read + written per second), 1 GiB, median of 10."""
+    from opd_bench import copy_bandwidth as measure  # bench/ is this script's directory: on sys.path
+
+    return measure(device, numel=2**28, warmup=3, reps=10)
 
 
 def bounds(model_cfg, bw: float, B: int, mean_len: float) -> dict:
