@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Formal headless replay: one long OPD run from the fixed student under a wall-clock budget
-# (DESIGN.md, "run.sh"). A thin driver: `opdkit train` does the work; this maps the environment
+# (docs/design.md, "run.sh"). A thin driver: `opdkit train` does the work; this maps the environment
 # to params overrides, runs it, and reports an honest exit status.
 #
 #   [STUDENT_MODEL=dir] [TEACHER_MODEL=dir] [TRAIN_DATA=file.parquet|.jsonl]
-#   [MAX_WALL_TIME_SECONDS=s] [DEADLINE_RESERVE_SECONDS=s] [OUTPUT_DIR=out/] [EXPERIMENT_NAME=name]
+#   [MAX_WALL_TIME_SECONDS=s] [DEADLINE_RESERVE_SECONDS=s] [OUTPUT_DIR=dir] [EXPERIMENT_NAME=name]
 #   [CKPT_DIR=dir] [RECIPE=file.yaml|none] [OPSD_*=...] [NPROC=1] [PARAMS=none|file.yaml] [PYTHON=python]
 #   bash run.sh [key=value ...]
 #
@@ -16,6 +16,10 @@
 # OPSD_STUDENT_PROMPT, OPSD_TEACHER_CONTEXT, OPSD_CLIP_MODE, OPSD_DATA_SELECT, OPSD_WAVG_LAST; unset
 # = the released behaviour) map to params keys (opdkit/recipes.py OPSD_SWITCHES); an unknown OPSD_*
 # variable or value is bad input. Running it again on the same OUTPUT_DIR resumes.
+#
+# OUTPUT_DIR unset: /out when it exists and is writable (the contract's layout: checkpoints in
+# /out/checkpoints/checkpoint-<step>/), else ./out, with a line saying why; set OUTPUT_DIR to choose
+# (OPDKIT_CONTRACT_OUT names another directory than /out: for tests and other layouts).
 #
 # Locks: the trainer holds the GPU workload lock shared (opdkit/fsutil.py DeviceLock; `opdkit eval`
 # takes it exclusively) and exclusive locks on OUTPUT_DIR and CKPT_DIR; it releases them when it has
@@ -29,8 +33,23 @@
 # checkpoint); otherwise the trainer's own status (1: a crash, a full or read-only disk, out of
 # memory), after a line that lists the checkpoints that survive and are valid.
 set -euo pipefail
+# the wall budget counts from here (start-up included): the trainer reads it (opdkit/deadline.py started_at)
+export OPDKIT_LAUNCHED_AT="${OPDKIT_LAUNCHED_AT:-$(date +%s.%N)}"
 
-OUTPUT_DIR="${OUTPUT_DIR:-out}"
+say() { printf 'run.sh: %s\n' "$*"; }
+fail() { printf 'run.sh: %s\n' "$*" >&2; }
+
+if [[ -z "${OUTPUT_DIR:-}" ]]; then  # the contract puts the checkpoints under /out/checkpoints/
+    contract_out="${OPDKIT_CONTRACT_OUT:-/out}"
+    if [[ -d "$contract_out" && -w "$contract_out" ]]; then
+        OUTPUT_DIR="$contract_out"
+        say "OUTPUT_DIR unset: writing to $contract_out (the contract's layout: checkpoints in $contract_out/checkpoints/)"
+    else
+        if [[ -d "$contract_out" ]]; then why="is not writable"; else why="does not exist"; fi
+        OUTPUT_DIR="out"
+        say "OUTPUT_DIR unset and $contract_out $why: writing to ./out (set OUTPUT_DIR to choose)"
+    fi
+fi
 NPROC="${NPROC:-1}"
 PYTHON="${PYTHON:-python}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -47,9 +66,6 @@ fi
 # OpenMP threads that spin while waiting make every step several times slower as soon as another
 # process wants the CPU; passive waiting costs little on an idle machine (see bench/cpu_busy.py).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
-
-say() { printf 'run.sh: %s\n' "$*"; }
-fail() { printf 'run.sh: %s\n' "$*" >&2; }
 
 if ! [[ "$NPROC" =~ ^[1-9][0-9]*$ ]]; then
     fail "error: NPROC must be a positive integer, got '$NPROC'"
@@ -161,15 +177,17 @@ case "$status" in
         ;;
 esac
 
-# The trainer says it reached its end: check that the final checkpoint is really there.
-final_step=$("$PYTHON" -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["step"] if r.get("status") == "completed" else "")' \
-    "$OUTPUT_DIR/run.json" 2>/dev/null) || final_step=""
-if [[ -z "$final_step" ]]; then
+# The trainer says it reached its end: check that the final checkpoint is really there (checkpoint-<step>, or the
+# newer one of an earlier start that this one replayed behind: run.json's final_checkpoint).
+final_name=$("$PYTHON" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print((r.get("final_checkpoint") or "checkpoint-%d" % r["step"]) if r.get("status") == "completed" else "")' \
+    "$OUTPUT_DIR/run.json" 2>/dev/null) || final_name=""
+if [[ -z "$final_name" ]]; then
     fail "error: the trainer exited 0 but $OUTPUT_DIR/run.json does not record a completed run"
     list_survivors
     exit 1
 fi
-final="$checkpoints_dir/checkpoint-$final_step"
+final="$checkpoints_dir/$final_name"
 newest=$(find "$checkpoints_dir" -mindepth 1 -maxdepth 1 -type d -name 'checkpoint-*' 2>/dev/null | sort -V | tail -n 1) || newest=""
 if [[ "$newest" != "$final" ]]; then
     fail "error: the final checkpoint should be $final but the newest is ${newest:-none}"
@@ -181,4 +199,4 @@ if ! "$PYTHON" -m opdkit validate "$final"; then
     list_survivors
     exit 1
 fi
-say "done: training reached its end at step $final_step; final checkpoint $final"
+say "done: training reached its end at step ${final_name#checkpoint-}; final checkpoint $final"

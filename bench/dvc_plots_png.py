@@ -1,4 +1,4 @@
-"""A PNG of the page `dvc plots show` writes, as a browser draws it (the README's docs/dvc_plots.png).
+"""A PNG of the page `dvc plots show` writes, as a browser draws it (docs/dvc_plots.png, shown in docs/runs.md).
 
 DVC's HTML loads vega, vega-lite and vega-embed from a CDN; on a machine without that network this
 serves them from local copies instead (``--vega-dir``: a folder holding the npm packages' builds,

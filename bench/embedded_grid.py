@@ -2,7 +2,7 @@
 
 Builds each variant of the embedded task (``embedded.*`` overrides of params.yaml), evaluates its
 student and teacher, trains every arm x seed from its student with the pipeline's settings (params.yaml,
-plus -S), evaluates every kept checkpoint (``opdkit.stages.eval_run``) and writes one table: per variant
+plus -S), evaluates every kept checkpoint (``opdkit.stages.eval_checkpoints``) and writes one table: per variant
 and arm, accuracy mean +- se over seeds (and the mean clustered se of one run), and the best OPD arm's
 difference against ``sft_teacher`` in combined standard errors. Jobs run in parallel processes (each one
 thread); run lengths are step counts, so the numbers do not depend on the parallelism.
@@ -101,7 +101,7 @@ def train_and_eval(out: Path, name: str, arm: str, seed: int, args) -> None:
             f"publish.every_steps={args.every}", f"publish.keep={max(1, args.steps // args.every)}"]
     run(["opdkit", "train", "--out", str(run_dir), *common(args), *sum((["-S", s] for s in sets), [])],
         run_dir.with_suffix(".log"))
-    run([sys.executable, "-m", "opdkit.stages.eval_run", "--run", str(run_dir), "--steps", str(args.steps),
+    run([sys.executable, "-m", "opdkit.stages.eval_checkpoints", "--run", str(run_dir), "--steps", str(args.steps),
          "--data", str(emb / "data" / "eval.parquet"), "--out", str(dest),
          "--curve-dir", str(out / name / "curves" / arm / f"seed{seed}"), "--tag", f"arm={arm}",
          "--tag", f"seed={seed}", *common(args)], dest.with_suffix(".log"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU lane: what a user runs, on the device machine (one H200; VLLM.md's offline vLLM 0.26.0).
+# The GPU lane: what a user runs, on the device machine (one H200; vLLM 0.26.0, carried offline).
 # A random-init Qwen2-1.5B-shaped pair (student 151,936 / teacher 152,064 embedding rows) and a
 # Qwen3-1.7B-shaped S2 student, all with the real Qwen2.5 tokenizer (151,665 ids, carried in .lane/,
 # made by bench/lane_assets.sh), trained by `opdkit train -p none -r recipes/s1.yaml|s2.yaml`
@@ -36,11 +36,7 @@ step() {  # step NAME LIMIT_S MIN_S CMD ...: under timeout min(LIMIT_S, the budg
 }
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ ! -d /tmp/site/vllm ] && [ -z "${LANE_TINY:-}" ]; then
-  t0=$(date +%s); mkdir -p /tmp/site
-  for p in /tmp/vparts/part_*; do cat "$p"; done | xz -dc | tar -x -C /tmp/site
-  log "vllm tree unpacked in $(( $(date +%s) - t0 )) s"
-fi
+source bench/vllm_tree.sh  # /tmp/site from all three parts, or nothing
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 log "phase $PHASE on $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null) at $(date -u +%FT%TZ)"
 python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>/dev/null | tail -1 | tee -a "$OUT/lane.txt"

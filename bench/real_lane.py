@@ -20,8 +20,8 @@ chat prompts) and ``s2/train.jsonl`` (MATH-500-shaped problem / solution rows), 
 ``R/runs/NAME`` (``budget.max_steps`` = N, published at N; a second call with a larger N resumes
 it) and appends one JSON line to ``OUT/runs.jsonl``: exit status, wall seconds, and per step the
 rollout / scoring / update seconds, peak GPU memory, tokens, loss, kl, plus the first batch's
-alignment check (max / mean |recomputed - sampling-time log-prob|, share outside the recomputed
-top-p nucleus). ``vllm-load`` loads a published checkpoint in vLLM as it is (its own tokenizer)
+alignment check (max / mean |recomputed - sampling-time log-prob|, the weight-0 share: sampled tokens
+outside the recomputed top-p nucleus). ``vllm-load`` loads a published checkpoint in vLLM as it is (its own tokenizer)
 and generates a few tokens (``OUT/runs.jsonl`` too). ``report`` writes ``OUT/lane.md``, the table.
 """
 
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
-KEEP = ("step", "time_rollout_s", "time_score_s", "time_update_s", "peak_mem_gb", "tokens", "truncated_frac", "loss",
+KEEP = ("step", "elapsed_s", "time_rollout_s", "time_score_s", "time_update_s", "peak_mem_gb", "tokens", "truncated_frac", "loss",
         "kl", "grad_norm", "ratio_max", "rollout_lag")
 
 
@@ -119,6 +119,22 @@ def train_cmd(args) -> list[str]:
             "-r", str(ROOT / "recipes" / f"{args.recipe}.yaml"), "--quiet", *(x for s in sets for x in ("-S", s))]
 
 
+def run_waiting(cmd: list[str], **kw) -> int:
+    """``subprocess.run(cmd).returncode``, except that a SIGTERM / SIGINT to this process waits for the trainer:
+    it is passed on (the trainer saves and exits 128+N) and this returns its status. Without this, ``timeout``
+    killed this wrapper at once and returned while the trainer was still saving, and gpu_lane.sh's ``rm -rf`` of
+    the run directory then removed the save in flight (the lane's two lost saves: docs/end_of_run.md)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, **kw)
+    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def train(args) -> dict:
     out_dir = Path(args.root) / "runs" / args.name
     log = Path(args.root) / f"{args.name}.log"
@@ -127,7 +143,7 @@ def train(args) -> dict:
     cmd = train_cmd(args)
     t0 = time.perf_counter()
     with log.open("a") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=kit).returncode
+        rc = run_waiting(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=kit)
     rows = []
     metrics = out_dir / "metrics" / "train.jsonl"
     if metrics.is_file():
@@ -138,7 +154,7 @@ def train(args) -> dict:
            "rows": [{k: r.get(k) for k in KEEP} for r in rows]}
     aligned = [r["alignment"] for r in rows if r.get("alignment")]
     if aligned:  # the check of the latest start (a resume checks its own first batch)
-        res["alignment"] = {k: v for k, v in aligned[-1].items() if "dlogp" in k or "outside" in k}
+        res["alignment"] = {k: v for k, v in aligned[-1].items() if "dlogp" in k or "outside" in k or "weight0" in k}
     text = log.read_text()
     took = [ln[-160:] for ln in text.splitlines() if " took " in ln and "second" in ln][-4:]  # vLLM's start-up lines
     res["log_tail"] = text[-1500:] if rc else "\n".join(took)
@@ -198,7 +214,7 @@ def report(args) -> str:
             continue
         a = r.get("alignment") or {}
         align = (f"{_fmt(a.get('recompute_max_abs_dlogp'), '.3g')} / {_fmt(a.get('recompute_mean_abs_dlogp'), '.3g')} "
-                 f"({_fmt(a.get('recompute_outside_nucleus_frac'), '.2g')})") if a else ""
+                 f"({_fmt(a.get('recompute_weight0_share', a.get('recompute_outside_nucleus_frac')), '.2g')})") if a else ""
         settings = ", ".join(o.split("=")[0].split(".")[-1] + "=" + o.split("=", 1)[1] for o in r["overrides"])
         new = [s for s in r["rows"] if s.get("step", 0) > shown.get(r["name"], 0)]
         shown[r["name"]] = max([shown.get(r["name"], 0)] + [s.get("step", 0) for s in new])

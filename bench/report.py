@@ -28,42 +28,41 @@ def _f(x, fmt="{:.2f}"):
 
 def _s1_table(s1: dict, trl: dict | None, bw: float | None) -> list[str]:
     out = []
-    if True:
-        st, f = _steady(s1["steps"]), s1["facts"]
-        cap = s1["config"]["max_new_tokens"]
-        bound = bw / f["decode_read_bytes_bf16"] if bw else None
-        cols = [("opdkit", st)]
+    st, f = _steady(s1["steps"]), s1["facts"]
+    cap = s1["config"]["max_new_tokens"]
+    bound = bw / f["decode_read_bytes_bf16"] if bw else None
+    cols = [("opdkit", st)]
+    if trl:
+        cols.append(("TRL " + trl["trl"], _steady(trl["steps"])))
+    head = f"| S1 shape (Qwen2-1.5B, 2 prompts x 4 samples, {cap:,} new tokens) | " + " | ".join(c for c, _ in cols)
+    head += " | TRL / opdkit |" if trl else " |"
+    out += [head, "|" + "---|" * (len(cols) + 1 + (1 if trl else 0))]
+
+    def row(label, key, fmt="{:.2f}", ratio=False):
+        vals = [_mean(s, key) for _, s in cols]
+        line = f"| {label} | " + " | ".join(_f(v, fmt) for v in vals)
         if trl:
-            cols.append(("TRL " + trl["trl"], _steady(trl["steps"])))
-        head = f"| S1 shape (Qwen2-1.5B, 2 prompts x 4 samples, {cap:,} new tokens) | " + " | ".join(c for c, _ in cols)
-        head += " | TRL / opdkit |" if trl else " |"
-        out += [head, "|" + "---|" * (len(cols) + 1 + (1 if trl else 0))]
+            line += " | " + (_f(vals[1] / vals[0], "{:.1f}x") if ratio and vals[0] and vals[1] else "")
+        return line + " |"
 
-        def row(label, key, fmt="{:.2f}", ratio=False):
-            vals = [_mean(s, key) for _, s in cols]
-            line = f"| {label} | " + " | ".join(_f(v, fmt) for v in vals)
-            if trl:
-                line += " | " + (_f(vals[1] / vals[0], "{:.1f}x") if ratio and vals[0] and vals[1] else "")
-            return line + " |"
-
-        for _, s in cols:
-            for x in s:
-                x["score_update_s"] = x.get("score_s", 0.0) + x["update_s"]
-        out += [row("step, s", "step_s", ratio=True), row("rollout (sampling), s", "rollout_s", ratio=True),
-                row("teacher scoring, s", "score_s"), row("update (loss, backward, AdamW), s", "update_s"),
-                row("teacher scoring + update, s", "score_update_s", ratio=True),
-                row("decode steps/s (batch 8)", "decode_steps_per_s", "{:.0f}"),
-                row("completion tokens per step", "tokens", "{:.0f}"),
-                row("training tokens/s (update phase, prompt + completion)", "train_tokens_per_s", "{:.0f}"),
-                row("update MFU (fwd+bwd FLOPs / 989 TFLOP/s)", "update_mfu", "{:.1%}"),
-                row("teacher-scoring MFU", "score_mfu", "{:.1%}"),
-                row("peak GPU memory allocated, GiB", "peak_alloc_gib")]
-        if bound:
-            out += ["", f"Decode bound: a step reads {f['decode_read_bytes_bf16'] / 1e9:.2f} GB of bf16 weights "
-                        f"(decoder + LM head) -> {bound:.0f} steps/s at the measured copy bandwidth; opdkit reaches "
-                        f"{_mean(st, 'decode_steps_per_s') / bound:.0%} of it (KV-cache reads, sampling and prefill included)."]
-        out += [f"Truncated share: {_mean(st, 'truncated_frac'):.0%} (random-init models never emit EOS: every sample "
-                f"runs to the {cap:,}-token cap)."]
+    for _, s in cols:
+        for x in s:
+            x["score_update_s"] = x.get("score_s", 0.0) + x["update_s"]
+    out += [row("step, s", "step_s", ratio=True), row("rollout (sampling), s", "rollout_s", ratio=True),
+            row("teacher scoring, s", "score_s"), row("update (loss, backward, AdamW), s", "update_s"),
+            row("teacher scoring + update, s", "score_update_s", ratio=True),
+            row("decode steps/s (batch 8)", "decode_steps_per_s", "{:.0f}"),
+            row("completion tokens per step", "tokens", "{:.0f}"),
+            row("training tokens/s (update phase, prompt + completion)", "train_tokens_per_s", "{:.0f}"),
+            row("update MFU (fwd+bwd FLOPs / 989 TFLOP/s)", "update_mfu", "{:.1%}"),
+            row("teacher-scoring MFU", "score_mfu", "{:.1%}"),
+            row("peak GPU memory allocated, GiB", "peak_alloc_gib")]
+    if bound:
+        out += ["", f"Decode bound: a step reads {f['decode_read_bytes_bf16'] / 1e9:.2f} GB of bf16 weights "
+                    f"(decoder + LM head) -> {bound:.0f} steps/s at the measured copy bandwidth; opdkit reaches "
+                    f"{_mean(st, 'decode_steps_per_s') / bound:.0%} of it (KV-cache reads, sampling and prefill included)."]
+    out += [f"Truncated share: {_mean(st, 'truncated_frac'):.0%} (random-init models never emit EOS: every sample "
+            f"runs to the {cap:,}-token cap)."]
     return out
 
 

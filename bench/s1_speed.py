@@ -58,15 +58,15 @@ def sync(device) -> float:
 
 
 def lane_prompts(root: Path, tok, n: int, start: int = 0) -> list[list[int]]:
-    """The S1 run's prompts: rows of s1/train.jsonl in the order ``opdkit train`` takes them
-    (seed 0's shuffle), chat-templated as the recipe renders them."""
+    """The S1 run's prompts: rows of s1/train.jsonl in the order ``opdkit train`` takes them (the recipe's
+    data.order), chat-templated as the recipe renders them."""
     from opdkit.config import load_config
     from opdkit.data import encode_prompt, load_examples
     from opdkit.train import prompt_indices
 
     cfg = load_config(ROOT / "recipes" / "s1.yaml")
     examples = load_examples(root / "s1" / "train.jsonl", cfg.data)
-    return [encode_prompt(examples[i], tok, cfg.data) for i in prompt_indices(0, len(examples), start, n)]
+    return [encode_prompt(examples[i], tok, cfg.data) for i in prompt_indices(0, len(examples), start, n, cfg.data.order)]
 
 
 def copy_bandwidth(device) -> float:
@@ -430,7 +430,7 @@ def trl(args) -> None:
 
         cfg = load_config(ROOT / "recipes" / "s1.yaml")
         examples = load_examples(root / "s1" / "train.jsonl", cfg.data)
-        order = prompt_indices(0, len(examples), 0, 2 * args.steps)  # opdkit train's prompts, step by step
+        order = prompt_indices(0, len(examples), 0, 2 * args.steps, cfg.data.order)  # opdkit train's prompts, in order
         msgs = [format_prompt(examples[i], cfg.data) for i in order]  # chat messages, as the recipe renders them
         rows = [{"prompt": m if isinstance(m, str) else [dict(x) for x in m]} for m in msgs for _ in range(G)]
         conf = DistillationConfig(
@@ -475,6 +475,79 @@ def trl(args) -> None:
     append(out, res)
 
 
+# ----------------------------------------------------------------------------- the update (and scoring)
+
+
+def update(args) -> None:
+    """One S1 step's scoring and update as ``opdkit train`` runs them (the library's calls: build_run,
+    the HF engine's static decoder for the batch, ``opd.score_batch``, ``opd.micro_losses``, clip, AdamW,
+    the engine's weight sync), timed per phase over 3 repetitions on the same batch (the optimizer steps at
+    lr 0: the weights stay), with rows packed into one forward (``opdkit.packing``) and row by row (today's
+    before); the update's achieved FLOP rate (6 x parameters x tokens, recompute not counted) and a
+    kernel profile of one repetition of each."""
+    from opdkit import packing
+    from opdkit.engines.select import make_engine
+    from opdkit.setup import build_run, prepare_inputs
+
+    out, root = Path(args.out), Path(args.root)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    T = args.max_new_tokens or (16 if args.tiny else 1024)
+    cfg = _s1_config(root, args.tiny, "rollout.engine=hf", f"rollout.max_new_tokens={T}", "optim.lr=0.0")
+    run = build_run(cfg, prepare_inputs(cfg), log=lambda *a: None)
+    engine = make_engine(cfg, run.student, run.tokenizer)
+    engine.sync_weights(run.student)
+    prompts = lane_prompts(root, run.tokenizer, 2)
+    seeds = opd.step_seeds(0, 0, 8)
+    with run.autocast():
+        ro = engine.sample(prompts, samples_per_prompt=G, seeds=seeds, temperature=1.0, top_p=1.0, max_new_tokens=T)
+    batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
+    n_params = sum(p.numel() for p in run.student.parameters())
+    tokens = int(ro.prompt_mask_B_Sp.sum() + ro.completion_mask_B_T.sum())
+    trainable = [p for p in run.student.parameters() if p.requires_grad]
+    varlen = packing.varlen_available(device)
+    for mode in (["per_row", "packed"] if varlen else ["per_row"]):
+        packing_on = mode == "packed"
+        orig = packing.varlen_available
+        packing.varlen_available = (lambda d, on=packing_on, f=orig: on and f(d))
+        try:
+            times: dict[str, list] = {}
+            for rep in range(4):  # rep 0 warms up (allocator, cuBLAS, autotuning); rep 3 is profiled
+                prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                               + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+                        if rep == 3 else contextlib.nullcontext())
+                with prof:
+                    t0 = sync(device)
+                    contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+                    t1 = sync(device)
+                    m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast)
+                    t2 = sync(device)
+                    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+                    run.optimizer.step()
+                    run.optimizer.zero_grad(set_to_none=True)
+                    t3 = sync(device)
+                    engine.sync_weights(run.student)
+                    t4 = sync(device)
+                if rep:
+                    for k, v in (("score_s", t1 - t0), ("loss_backward_s", t2 - t1), ("optimizer_s", t3 - t2),
+                                 ("sync_s", t4 - t3)):
+                        times.setdefault(k, []).append(v)
+                if rep == 3 and device.type == "cuda":
+                    top, ms, launches = kernel_table(prof, 1, device)
+                    write_profile(out, "update", f"score + update, {mode}, {T} new tokens, {tokens} tokens: {ms:.1f} "
+                                                 f"device ms, {launches} kernels", top)
+            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            upd = med["loss_backward_s"] + med["optimizer_s"] + med["sync_s"]
+            append(out, {"what": "update", "mode": mode, "max_new_tokens": T, "tokens": tokens, "params": n_params,
+                         **med, "update_s": upd, "loss": m["loss"],
+                         "update_tflops": 6 * n_params * tokens / upd / 1e12,
+                         "fwd_bwd_tflops": 6 * n_params * tokens / med["loss_backward_s"] / 1e12})
+        except Exception as e:
+            append(out, {"what": "update", "mode": mode, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            traceback.print_exc()
+        finally:
+            packing.varlen_available = orig
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -509,12 +582,52 @@ def _s1_table(out: Path, rows: list[dict]) -> list[str]:
         L.append(f"| {r['name']} {' '.join(r.get('overrides', []))} | {r['rc']} | {_f(step)} | "
                  f"{_f(cols['time_rollout_s'])} | {_f(cols['time_score_s'], '.2f')} | {_f(cols['time_update_s'], '.2f')} | "
                  f"{_f(per_row, '.0f')} | {_f(peak)} |")
+    L += _pairs_table(runs, rows)
     for r in rows:
         if r["what"] == "trl" and r["rows"] and med.get("s1_default"):
             last = r["rows"][-1]
             L.append(f"\nTRL step {last['step']} / opdkit's default S1 step (median of steps 2-4), {r['max_new_tokens']} "
                      f"new tokens: {_f(last['step_s'])} / {_f(med['s1_default'])} s = "
                      f"{_f(last['step_s'] / med['s1_default'], '.2f')}x")
+    return L
+
+
+def _pairs_table(runs: list[dict], rows: list[dict]) -> list[str]:
+    """opdkit (``s1_<T>`` runs: steps 2-4 median) against TRL (``trl`` rows at the same ``max_new_tokens``: its
+    steps 2.. median) at each length T run in the call: seconds per step, the ratio, and generated tokens per
+    second of the step (TRL's samples stop at EOS, the kit's random-init samples run to the cap)."""
+    kit = {}
+    for r in runs:
+        if r.get("what") == "train" and r["name"].startswith("s1_") and r["name"][3:].isdigit():
+            later = [x for x in r["rows"] if 2 <= x.get("step", 0) <= 4]
+            step = _median([sum(x.get(k) or 0 for k in ("time_rollout_s", "time_score_s", "time_update_s")) for x in later])
+            first = next((x for x in r["rows"] if x.get("step") == 1), None)
+            startup = (first["elapsed_s"] - sum(first.get(k) or 0 for k in ("time_rollout_s", "time_score_s", "time_update_s"))
+                       if first and first.get("elapsed_s") is not None else None)
+            kit[int(r["name"][3:])] = dict(step=step, tok=_median([x.get("tokens") for x in later]), startup=startup,
+                                           parts=[_median([x.get(k) for x in later]) for k in
+                                                  ("time_rollout_s", "time_score_s", "time_update_s")])
+    trl = {}
+    for r in rows:
+        if r["what"] == "trl" and r.get("rows"):
+            later = [x for x in r["rows"] if x["step"] >= 2] or r["rows"]
+            trl[r["max_new_tokens"]] = dict(step=_median([x["step_s"] for x in later]),
+                                            tok=_median([x.get("tokens") for x in later]),
+                                            parts=[_median([x["rollout_s"] for x in later]),
+                                                   _median([x["score_update_s"] for x in later])])
+    if not kit and not trl:
+        return []
+    L = ["", "| new tokens | opdkit s/step (rollout / score / update) | start-up s | TRL + vLLM s/step (rollout / "
+         "score + update) | TRL / opdkit per step | generated tokens/s: opdkit / TRL |", "|---|---|---|---|---|---|"]
+    for T in sorted(set(kit) | set(trl)):
+        k, t = kit.get(T, {}), trl.get(T, {})
+        ratio = t["step"] / k["step"] if k.get("step") and t.get("step") else None
+        tps = (f"{_f(k['tok'] / k['step'], '.0f')} / {_f(t['tok'] / t['step'], '.0f')}"
+               if k.get("tok") and k.get("step") and t.get("tok") and t.get("step") else "")
+        kp = " / ".join(_f(x, ".2f") for x in k.get("parts", []))
+        tp = " / ".join(_f(x, ".2f") for x in t.get("parts", []))
+        L.append(f"| {T:,} | {_f(k.get('step'), '.2f')} ({kp}) | {_f(k.get('startup'))} | {_f(t.get('step'), '.2f')} ({tp}) | "
+                 f"{_f(ratio, '.2f')}x | {tps} |")
     return L
 
 
@@ -566,7 +679,7 @@ def report(args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["static", "vllm", "vllm-raw", "trl", "report"])
+    ap.add_argument("what", choices=["static", "update", "vllm", "vllm-raw", "trl", "report"])
     ap.add_argument("--root", default="/tmp/lane")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
@@ -577,7 +690,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
     ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
     args = ap.parse_args(argv)
-    {"static": static, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl, "report": report}[args.what](args)
+    {"static": static, "update": update, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl, "report": report}[args.what](args)
     return 0
 
 

@@ -1,17 +1,18 @@
 """Peak host memory of saving the trainer state, on the CPU, at a shape of >= 500M parameters.
 
-    python bench/state_memory.py [--layers 2] [--out /tmp/opdkit_state_memory]      # this checkout
-    PYTHONPATH=/path/to/an/older/checkout python bench/state_memory.py              # opdkit before #22
+    python bench/state_memory.py [--layers 2] [--out /tmp/opdkit_state_memory]
 
 Builds a random-init student at the S1 shape (``models.shape_config("qwen2-1.5b")``: vocabulary
 151,936, hidden 1,536, untied head) with fewer layers, in fp32, and an AdamW whose state is filled
 (one step with zero gradients at lr 0). Then it saves the trainer state into ``--out`` (removed
-afterwards) with the checkout's own code (``opdkit.trainer_state.save``, or ``train._save_state``
-of older versions) and reports, as one JSON line: the parameters, the tensor groups written (the
-weights and each Adam moment; the largest is the bound), the resident memory before the save, the
-peak during it (Linux ``VmHWM``, reset just before the save through ``/proc/self/clear_refs``), and
-the increase over the largest group. Memory, not time: a busy machine gives the same numbers.
-Needs about 3x the weights (7 GB at 2 layers) resident, plus what the save adds, and as much disk.
+afterwards) with ``opdkit.trainer_state.save`` and reports, as one JSON line: the parameters, the
+tensor groups written (the weights and each Adam moment; the largest is the bound), the resident
+memory before the save, the peak during it (Linux ``VmHWM``, reset just before the save through
+``/proc/self/clear_refs``), and the increase over the largest group. Memory, not time: a busy
+machine gives the same numbers. Needs about 3x the weights (7 GB at 2 layers) resident, plus what
+the save adds, and as much disk. (The "before" row of docs/scaling_out.md: this script as of commit
+c567c61, which fell back to ``opdkit.train._save_state``, run on a checkout before e1f4eed, whose
+trainer state was one ``torch.save`` of the whole state into a buffer.)
 """
 
 from __future__ import annotations
@@ -57,17 +58,6 @@ def _run(layers: int):
     return run
 
 
-def _save_fn():
-    try:
-        from opdkit.trainer_state import save
-
-        return "opdkit.trainer_state.save", save
-    except ImportError:
-        from opdkit.train import _save_state
-
-        return "opdkit.train._save_state", _save_state
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
@@ -82,8 +72,8 @@ def main() -> None:
     moments = {k: sum(s[k].numel() * s[k].element_size() for s in run.optimizer.state.values())
                for k in ("exp_avg", "exp_avg_sq")}
     largest = max(weights, *moments.values())
-    what, save = _save_fn()
     import opdkit
+    from opdkit.trainer_state import save
 
     gc.collect()
     before = _status_kib("VmRSS") * 1024
@@ -96,7 +86,8 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
     gib = 2**30
     print(json.dumps({
-        "code": what, "opdkit": str(Path(opdkit.__file__).parent), "layers": args.layers, "params": n_params,
+        "code": "opdkit.trainer_state.save", "opdkit": str(Path(opdkit.__file__).parent), "layers": args.layers,
+        "params": n_params,
         "weights_gib": round(weights / gib, 3), "exp_avg_gib": round(moments["exp_avg"] / gib, 3),
         "exp_avg_sq_gib": round(moments["exp_avg_sq"] / gib, 3), "largest_group_gib": round(largest / gib, 3),
         "written_gib": round(on_disk / gib, 3), "rss_before_gib": round(before / gib, 3),

@@ -12,7 +12,8 @@ weights had been pruned yet looked valid. So the presence of the expected files 
 
 - config.json parses as an HF config;
 - ``opdkit.json``, where present, has our format and every file it lists has the recorded size
-  (and, with ``check_hashes``, the recorded sha256);
+  (and, with ``check_hashes``, the recorded sha256: of the whole file, or for the weights the
+  ``chunked_sha256`` their writer computed, ``opdkit.weights_io``);
 - the weights (``model.safetensors``, or an index and every shard it names) have intact
   safetensors headers, each tensor's byte count fits its dtype and shape, and each file is exactly
   as long as its header says (not truncated); with an index, every shard holds exactly the tensors
@@ -73,10 +74,27 @@ _CHUNK_BYTES = 64 * 2**20
 
 
 def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """No NaN/inf in the floating tensor ``t``, checked ``chunk`` elements at a time (the bool
-    mask never exceeds ``chunk`` bytes, whatever the tensor's size)."""
+    """No NaN/inf in the floating tensor ``t``, ``chunk`` elements at a time: a chunk whose sum is
+    finite holds no NaN or inf (either makes the sum non-finite); only a chunk whose sum is not
+    finite (a NaN or inf, or an overflow of finite values) is checked element by element. The sum
+    runs at memory speed where ``isfinite`` on bf16 does not (about 50x slower on a CPU)."""
     flat = t.detach().reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+    for i in range(0, flat.numel(), chunk):
+        part = flat[i:i + chunk]
+        if not bool(torch.isfinite(part.sum())) and not bool(torch.isfinite(part).all()):
+            return False
+    return True
+
+
+def nonfinite_names(tensors: dict[str, torch.Tensor], threads: int = 8) -> list[str]:
+    """The floating tensors of ``tensors`` that hold NaN or inf (``all_finite``), checked by parallel
+    threads (torch releases the GIL inside each sum)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [k for k, t in tensors.items() if t.is_floating_point()]
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        ok = list(pool.map(lambda k: all_finite(tensors[k]), names))
+    return [k for k, good in zip(names, ok) if not good]
 
 
 class InvalidCheckpoint(ValueError):
@@ -219,8 +237,16 @@ def _check_manifest(path: Path, bad, check_hashes: bool) -> None:
             raise bad(f"{name} is listed in {MANIFEST} but missing")
         if file.stat().st_size != record["size"]:
             raise bad(f"{name} is {file.stat().st_size} bytes; {MANIFEST} records {record['size']}")
-        if check_hashes and file_record(file)["sha256"] != record["sha256"]:
+        if check_hashes and not _hash_matches(file, record):
             raise bad(f"{name} does not match the sha256 recorded in {MANIFEST}")
+
+
+def _hash_matches(file: Path, record: dict) -> bool:
+    if "chunked_sha256" in record:  # the weights, hashed while they were written (opdkit.weights_io)
+        from opdkit.weights_io import chunked_sha256
+
+        return chunked_sha256(file) == record["chunked_sha256"]
+    return file_record(file)["sha256"] == record["sha256"]
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -355,14 +381,6 @@ def list_checkpoints(root) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if _CKPT_RE.match(p.name) and p.is_dir()), key=step_of)
-
-
-def latest_valid_checkpoint(root, *, full: bool = False) -> Path | None:
-    """The highest-step checkpoint that validates (structure only unless ``full``), or None."""
-    for path in reversed(list_checkpoints(root)):
-        if is_valid_checkpoint(path, full=full)[0]:
-            return path
-    return None
 
 
 def surviving_checkpoints_message(root) -> str:

@@ -4,7 +4,8 @@ Exit statuses: 0 success; 1 a failure during the work (the message says which ch
 survive: a crash, a full or read-only disk, out of memory, a publish error, a collective of a torchrun
 rank that timed out or lost its peer); 2 bad input (one line
 naming the file/key and what was expected, nothing written); 3 values went non-finite (nothing
-non-finite is saved or published); 75 the output directory is locked by another run; 128+N
+non-finite is saved or published); 75 the output directory is locked by another run (``opdkit eval``:
+the GPU is held by a training run or by any other compute process); 128+N
 stopped by signal N (SIGINT, SIGTERM: after the step in flight, its state and checkpoint saved).
 
 CPU threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, set before torch is imported, unless the
@@ -56,16 +57,23 @@ def cmd_embedded(args) -> int:
     from opdkit.embedded import copy_shipped, write_manifest
 
     out = Path(args.out)
+    if args.bpe_teacher:  # the cross-tokenizer teacher: built on demand, cached in OUT
+        from opdkit.embedded.bpe_teacher import build_bpe_teacher
+
+        made = build_bpe_teacher(out, _config(args).embedded, log=(lambda *a: None) if args.quiet else print)["made"]
+        print(f"the embedded BPE teacher is in {out} (built in {made['build_seconds']}s)")
+        return 0
     if not args.rebuild:
         copy_shipped(out)
         print(f"wrote the shipped embedded task and models to {out} (data/, teacher/, student/, manifest.json)")
         return 0
-    from opdkit.embedded.build import build
+    from opdkit.embedded.build import build_at, shipped_capability
 
     cfg = _config(args)
-    made = build(out, cfg.embedded)
+    made = build_at(out, cfg.embedded, shipped_capability())  # the CPU kernels the shipped build ran
     write_manifest(out, to_dict(cfg.embedded), made)
-    print(f"rebuilt the embedded task and models in {out} in {made['build_seconds']}s")
+    print(f"rebuilt the embedded task and models in {out} in {made['build_seconds']}s "
+          f"({made['environment']['cpu_capability']} kernels, as the shipped manifest records)")
     return 0
 
 
@@ -78,20 +86,24 @@ def cmd_fixture(args) -> int:
     return 0
 
 
-def _device_lock(cfg, shared: bool):
-    """The GPU workload lock for this command (``runtime.device_lock``: auto = on CUDA devices), else a
-    no-op context. Training holds it shared, evaluation exclusively; a conflict raises ``DeviceBusy``."""
-    from opdkit.fsutil import DeviceLock
-
+def _on_gpu(cfg) -> bool:
+    """The GPU rules apply to this command (``runtime.device_lock``: auto = on CUDA devices, always, never)."""
     rt = cfg.runtime
     if rt.device_lock == "never" or (rt.device_lock == "auto" and rt.device == "cpu"):
-        return contextlib.nullcontext()
+        return False
     if rt.device_lock == "auto":
         import torch
 
-        if not torch.cuda.is_available():
-            return contextlib.nullcontext()
-    return DeviceLock(shared)
+        return torch.cuda.is_available()
+    return True
+
+
+def _device_lock(cfg, shared: bool):
+    """The GPU workload lock for this command (``_on_gpu``), else a no-op context. Training holds it
+    shared, evaluation exclusively; a conflict raises ``DeviceBusy``."""
+    from opdkit.fsutil import DeviceLock
+
+    return DeviceLock(shared) if _on_gpu(cfg) else contextlib.nullcontext()
 
 
 def cmd_eval(args) -> int:
@@ -105,6 +117,10 @@ def cmd_eval(args) -> int:
     data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
     examples = load_eval_examples(data_paths)
     with _device_lock(cfg, shared=False):  # no training may hold the GPU while this evaluates
+        if _on_gpu(cfg):  # nor any other compute process (a run still saving, a server): asked before ours exists
+            from opdkit.gpu_procs import check_gpu_free
+
+            check_gpu_free()
         device = pick_device(cfg.runtime)
         model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
         tok = load_tokenizer(args.model)
@@ -161,6 +177,7 @@ def cmd_train(args) -> int:
         _probe_lock(Path(cfg.runtime.state_dir), "trainer state directory")
     _quiet_datasets()
     from opdkit.checkpoints import NonFiniteTensor, surviving_checkpoints_message
+    from opdkit.deadline import started_at
     from opdkit.fsutil import StorageError
     from opdkit.guards import NonFiniteError, OutOfMemory
     from opdkit.interrupt import stop_on_signals
@@ -189,7 +206,7 @@ def cmd_train(args) -> int:
 
     try:
         with stop_on_signals():  # SIGTERM/SIGINT: a flag the loop reads between steps
-            result = train(cfg, out, progress=not args.quiet)
+            result = train(cfg, out, progress=not args.quiet, started_at=started_at())
     except _expected_errors():
         raise  # main() prints these as one line
     except PublishError as e:
@@ -220,6 +237,15 @@ def cmd_train(args) -> int:
         return 128 + sig
     if world.is_main:
         print(json.dumps(result.__dict__))
+    return 0
+
+
+def cmd_offline_rollouts(args) -> int:
+    cfg = _config(args)
+    _quiet_datasets()
+    from opdkit.offline_draw import draw_pool
+
+    draw_pool(cfg, args.policy, args.out, args.prompts, args.topk, progress=not args.quiet)
     return 0
 
 
@@ -301,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("embedded", help="write the embedded task and models (or rebuild them)")
     p.add_argument("--out", required=True)
     p.add_argument("--rebuild", action="store_true", help="train them from scratch (deterministic, minutes)")
+    p.add_argument("--bpe-teacher", action="store_true",
+                   help="write OUT as the embedded teacher with a byte-level BPE tokenizer of its own (cross-tokenizer "
+                        "OPD: -S teacher.tokenizer=own -S teacher.path=OUT); trained once, then reused")
     _add_params(p)
     p.set_defaults(fn=cmd_embedded)
 
@@ -321,16 +350,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params(p)
     p.set_defaults(fn=cmd_eval)
 
-    from opdkit.loss_table import help_text  # torch-free
+    from opdkit import biases  # torch-free
+    from opdkit.loss_table import help_text, xtok_help_text  # torch-free
 
     p = sub.add_parser("train", help="one OPD run (or the rest of one: resumes from DIR's trainer state)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="losses (-S loss.name=NAME):\n" + help_text())
+                       epilog="losses (-S loss.name=NAME):\n" + help_text() + "\n\nwhere they are not exact:\n"
+                              + biases.help_text() + "\n\n" + xtok_help_text())
     p.add_argument("--out", required=True)
     p.add_argument("--check", action="store_true",
                    help="only validate the inputs and OUT (exit 0, 2 or 75); writes nothing")
     _add_params(p)
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("offline-rollouts", help="draw an offline pool once: a fixed policy's rollouts of the run's "
+                       "prompts, scored by the teacher (train on it with -S rollout.source=offline -S rollout.offline_file=FILE)")
+    p.add_argument("--policy", default=None, metavar="DIR", help="the model that samples (default: student.path, the "
+                   "run's student at step 0)")
+    p.add_argument("--out", required=True, metavar="FILE.parquet")
+    p.add_argument("--prompts", type=int, default=0, metavar="N", help="prompts in the pool (default: "
+                   "rollout.prompts_per_step x budget.max_steps, one pass of a run)")
+    p.add_argument("--topk", type=int, default=None, metavar="K", help="store the teacher's top-K too (default: "
+                   "loss.topk where loss.name reads the teacher's top-K, else 0)")
+    _add_params(p)
+    p.set_defaults(fn=cmd_offline_rollouts)
 
     p = sub.add_parser("vocab-cut", help="copy an HF checkpoint with its embedding and head cut to the tokenizer's ids "
                        "(a teacher for teacher.source=vllm, whose prompt log-probs count every row)")

@@ -1,8 +1,9 @@
 """Typed, frozen run configuration: every knob and its one default live here.
 
-``params.yaml`` mirrors these dataclasses. ``load_config`` reads a YAML file (missing keys take
-the defaults below, unknown keys are an error), then applies ``key=value`` overrides with dotted
-paths, type-checking each value; errors name the key and the expected type.
+``load_config`` reads a YAML file (missing keys take the defaults below, unknown keys are an error),
+then applies ``key=value`` overrides with dotted paths, type-checking each value; errors name the key
+and the expected type. The pipeline's ``params.yaml`` holds the keys its stages track at these
+defaults and the study's overlay, the keys marked ``# study:`` (docs/design.md, "Params").
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ class TeacherConfig:
     url: str = ""
     gpu_memory_utilization: float = 0.3  # source=vllm, colocated: the engine's share of the GPU
     timeout_s: float = 120.0  # source=vllm with a url: seconds to wait for one scoring request
+    # shared: the teacher scores the student's token ids (one vocabulary); own: cross-tokenizer OPD (opdkit.xtok):
+    # the teacher's tokenizer re-tokenizes each completion's text (its prompt rendered with its own template),
+    # the two tokenizations aligned into spans (loss_table.XTOK: how each loss runs across tokenizers)
+    tokenizer: str = "shared"
+    # own, full-distribution losses: how the teacher's ids map onto the student's (opdkit.xtok_loss): prefix (the
+    # student token that starts the teacher token's text) | exact (identical bytes only, GOLD's match)
+    vocab_map: str = "prefix"
     # What the teacher returns follows from loss.name (opdkit.loss_table): sampled-token log-probs
-    # (k1, k2, k3, sft), top-k (topk_fkl, K = loss.topk) or the full vocabulary (fkl, rkl, jsd; chunked).
+    # (k1, k2, k3, sft), top-k (topk_fkl, K = loss.topk) or the full vocabulary (fkl, rkl, jsd, topk_rkl; chunked).
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,27 @@ class FilterConfig:
 
 
 @dataclass(frozen=True)
+class HFOrderConfig:
+    """``data.order=hf_trainer``: how the Hugging Face ``Trainer`` the run replays fed its processes
+    (``opdkit.data.hf_trainer_rows``). Each process draws epoch e's order with ``torch.randperm`` from
+    a generator seeded with its seed + e (accelerate's ``SeedableRandomSampler``) and takes batches
+    r, r + W, r + 2W, ... of ``device_batch`` rows of it (``BatchSamplerShard``); a step is
+    ``rollout.prompts_per_step`` rows, ``device_batch`` x gradient accumulation x ``processes``."""
+
+    processes: int = 1  # W: accelerate's processes (GPUs)
+    device_batch: int = 0  # per_device_train_batch_size; 0 = prompts_per_step / processes (no gradient accumulation)
+    # each process's seed: seed (the params' seed on every process: torch's initial seed after the Trainer's
+    # set_seed) | vllm_rank (process r's is r: a colocated vLLM engine built in the process after the Trainer,
+    # as the released OPSD trainer's, reseeds torch with seed=process_index before the dataloader is made)
+    rank_seeds: str = "seed"
+
+    def __post_init__(self):
+        if self.processes < 1 or self.device_batch < 0:
+            raise ConfigError(f"params key 'data.hf_order': processes must be >= 1 and device_batch >= 0; got "
+                              f"{self.processes} and {self.device_batch}")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     train: str = ""  # parquet/jsonl; "" = the embedded train split
     eval: str = ""  # parquet/jsonl; "" = the embedded eval split
@@ -103,12 +132,22 @@ class DataConfig:
     chat_template: bool = False
     filters: FilterConfig = field(default_factory=FilterConfig)
     max_rows: int = 0  # 0 = all rows (after filtering)
-    order: str = "shuffled"  # shuffled (a fresh seeded shuffle per epoch) | stored (the table's order, as S1's shuffle=False)
+    # shuffled (a fresh seeded shuffle per epoch) | stored (the table's order, as S1's shuffle=False) | hf_trainer
+    # (the Hugging Face Trainer's sampler from the seed, as the released OPSD trainer fed its processes: data.hf_order)
+    order: str = "shuffled"
+    hf_order: HFOrderConfig = field(default_factory=HFOrderConfig)
     # Privileged teachers (teacher.source=privileged_*): what the teacher's prompt holds beside the problem,
     # solution | cot (the COT_Reason trace) | both, and how it is written: hint (the student's prompt plus
-    # opdkit's reference-solution hint) | opsd (the released OPSD collator's teacher message)
+    # opdkit's reference-solution hint) | opsd (the first OPSD release's collator's teacher message) |
+    # opsd_delimited (the message of the release with the thinking switches: opdkit.data.OPSD_TEACHER_TEMPLATES)
     teacher_context: str = "solution"
     teacher_prompt: str = "hint"
+    # Passed to the chat template as enable_thinking (data.chat_template=true): the student's prompts, which a
+    # teacher model scores too, and a privileged teacher's. Qwen3's template opens the answer with an empty
+    # <think></think> block when false (no thinking) and leaves it to the model when true (its default);
+    # Qwen2.5's and DeepSeek-R1-Distill-Qwen's templates do not read it (the prompts are the same either way).
+    enable_thinking: bool = True
+    teacher_enable_thinking: bool = True
     # How scored sequences are padded: left ([pads][prompt][completion], positions from the mask: where the
     # student sampled) | right ([prompt][pads][completion], the pads consuming RoPE positions: the released
     # OPSD collator's layout, for replaying its offset; the alignment check then fails unless switched off)
@@ -118,7 +157,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: str = "auto"  # auto (vllm on CUDA where it is installed, else hf) | hf | vllm
+    engine: str = "auto"  # auto (hf: on CUDA its static decoder, with Triton; vllm where Triton is not) | hf | vllm
     prompts_per_step: int = 16
     samples_per_prompt: int = 4
     temperature: float = 1.0
@@ -131,14 +170,22 @@ class RolloutConfig:
     # 1: one-step-off rollouts (opdkit.overlap): step n+1's samples are drawn by the weights before step n's
     # update while step n scores and updates; token losses correct with the recorded behaviour log-probs. 0: on-policy
     overlap: int = 0
+    # live: the student draws each step's samples and the teacher scores them | offline: they are read from
+    # offline_file, rollouts of a fixed policy drawn and teacher-scored once by `opdkit offline-rollouts` (no
+    # teacher model in the run; opdkit.offline)
+    source: str = "live"
+    offline_file: str = ""  # source=offline: the pool (parquet) `opdkit offline-rollouts --out FILE` wrote
+    # source=offline: k1/k2/k3's old_logp, whose ratio exp(logp - old_logp) weights each stored token: behaviour
+    # (the pool policy's recorded log-probs: ratio current student / behaviour) | none (the current student's: ratio 1)
+    offline_ratio: str = "behaviour"
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    name: str = "rkl"  # k1 | k2 | k3 | topk_fkl | fkl | rkl | jsd | sft (opdkit.loss_table)
+    name: str = "rkl"  # k1 | k2 | k3 | topk_fkl | topk_rkl | fkl | rkl | jsd | sft (opdkit.loss_table)
     clip_eps: float = 0.2  # PPO ratio clip for k1
     dual_clip: float = 3.0  # k1: PPO dual clip c for negative advantages (loss <= -c A, as verl); 0 = off
-    topk: int = 16  # for topk_fkl
+    topk: int = 16  # K of topk_fkl (the teacher's top-K) and topk_rkl (the student's top-K)
     tail_bucket: bool = True  # topk_fkl: lump the teacher's remaining mass into one bucket
     jsd_beta: float = 0.5  # 0 = forward KL, 1 = reverse KL
     clip: str = "none"  # none | entry (min(p_T log p_T/p_S, tau) per vocab entry) | token
@@ -180,14 +227,25 @@ class LoraConfig:
 class BudgetConfig:
     max_steps: int = 0  # 0 = no step horizon (the wall clock decides)
     max_wall_time_s: float = 180.0  # 0 = no wall-clock limit
-    deadline_reserve_s: float = 10.0  # stop this long before the wall budget to publish
+    # seconds of the wall budget kept free at the end beyond what the loop reserves for the saves it will make
+    # (measured: the last state save and export; before the first, estimated: opdkit.deadline)
+    deadline_reserve_s: float = 10.0
     schedule_steps: int = 0  # horizon for step-based lr schedules; 0 = max_steps
+    # With a wall budget: MiB written (fsynced, then removed) into the state and checkpoint directories at
+    # start-up to measure the write rate; the saves before the first measured one are reserved at their bytes
+    # over that rate, times save_estimate_factor. 0 = no probe (nothing reserved for them)
+    write_probe_mb: int = 64
+    save_estimate_factor: float = 2.0
 
 
 @dataclass(frozen=True)
 class PublishConfig:
-    every_steps: int = 50
+    every_steps: int = 50  # the HF export's cadence (checkpoints/checkpoint-<step>); the end is always published
     keep: int = 3
+    # the trainer state's cadence (resume): -1 = with every export, 0 = only at the end or before a stop, N = every
+    # N steps (opdkit.train: a checkpoint may then be newer than the newest state; a resume replays the steps)
+    state_every_steps: int = -1
+    keep_states: int = 1  # the newest N trainer states are kept (verl's baseline kept 3)
     retries: int = 5
     backoff_s: float = 0.5
     dtype: str = "auto"  # weights' dtype in the export: auto (the source student's config dtype) | float32 | bfloat16 | float16
@@ -206,6 +264,8 @@ class EvalConfig:
     seed: int = 1234
     max_questions: int = 0  # 0 = every question of the eval split
     prompt_format: str = ""  # "" = data.prompt_format; else one of its choices (the benchmark's prompt)
+    # the chat template's enable_thinking for the benchmark's prompts (the released OPSD evaluator's default: true)
+    enable_thinking: bool = True
 
 
 @dataclass(frozen=True)
@@ -224,10 +284,15 @@ class RuntimeConfig:
     # sequences on GPU; many short rows (the embedded default on CPU) are faster batched.
     unpadded_rows: bool = False
     alignment_check: bool = True  # check teacher/student alignment on the first batch (stops the run if it fails)
-    # allowed (max, mean) |recomputed - sampling-time log-prob| of the sampled tokens in that check,
-    # by compute dtype: fp32 recomputes agree to ~1e-6; bf16 kernels (and vLLM) differ by up to ~1 on rare tokens
+    alignment_every: int = 0  # also every N-th step (N > 0); 0 = the first batch of each start only
+    # allowed (max, mean) |recomputed - sampling-time log-prob| of the sampled tokens in that check, over the
+    # tokens inside the recomputed nucleus, by compute dtype: fp32 recomputes agree to ~1e-6; bf16 kernels (and
+    # vLLM) differ by up to ~1 on rare tokens
     alignment_tol_fp32: tuple[float, float] = (1.0e-3, 1.0e-4)
     alignment_tol_bf16: tuple[float, float] = (2.0, 0.05)
+    # allowed share of the sampled tokens that the update gives weight 0: outside the top-p nucleus recomputed
+    # from the current logits (rounding and ties at the nucleus' edge: ~0.1% measured with vLLM at top-p 0.95)
+    alignment_max_weight0_share: float = 0.01
     teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
     state_dir: str = ""  # where the trainer state (resume) lives; "" = OUT/state (run.sh: CKPT_DIR)
     # The GPU workload lock (opdkit.fsutil.DeviceLock; its file: $OPDKIT_GPU_LOCK, else one per machine):
@@ -237,6 +302,14 @@ class RuntimeConfig:
     # torchrun: a collective that waits longer than this for another rank ends the run (exit 1, run.json
     # names the phase); it must exceed the longest legitimate wait (a rank's rollout outlasting another's)
     collective_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if self.alignment_every < 0:
+            raise ConfigError(f"params key 'runtime.alignment_every': expected >= 0 (0 = the first batch of each "
+                              f"start only), got {self.alignment_every}")
+        if not 0.0 <= self.alignment_max_weight0_share <= 1.0:
+            raise ConfigError("params key 'runtime.alignment_max_weight0_share': expected a share in [0, 1], got "
+                              f"{self.alignment_max_weight0_share}")
 
 
 @dataclass(frozen=True)
@@ -257,6 +330,7 @@ class DoctorConfig:
 
     n_prompts: int = 4
     max_new_tokens: int = 32
+    xtok_rows: int = 64  # teacher.tokenizer=own: data rows (their reference solutions) the span alignment is measured on
 
 
 @dataclass(frozen=True)
@@ -310,7 +384,7 @@ class EmbeddedConfig:
     warmup_steps: int = 50
     teacher_steps: int = 1200  # correct solutions, cosine to 0
     # The student: smaller than the teacher (a capacity gap; 0 = the teacher's value). Issue 17's grid
-    # (bench/embedded_grid.py, README "The embedded task") chose this one: its accuracy barely moves between
+    # (bench/embedded_grid.py, docs/study.md "The embedded task") chose this one: its accuracy barely moves between
     # builds, where the teacher-shaped student from the teacher's run at step 500 swung 0.22-0.35.
     student_hidden_size: int = 96
     student_layers: int = 3
@@ -323,6 +397,9 @@ class EmbeddedConfig:
     student_carry_steps: int = 150  # then steps on carry-dropped additions (the planted error; 0 = none)
     student_lr: float = 1.0e-3
     threads: int = 2  # torch CPU threads during the build (fixed: part of what makes it reproducible)
+    # the cross-tokenizer teacher (opdkit embedded --bpe-teacher; not part of --rebuild): its byte-level BPE's ids,
+    # trained on the train split; the teacher itself follows the teacher recipe above (shape, teacher_steps, lr)
+    bpe_vocab_size: int = 384
 
 
 @dataclass(frozen=True)
@@ -359,16 +436,21 @@ TRACKERS = ("auto", "dvclive", "tensorboard", "none")  # the params key `trackin
 CHOICES: dict[str, tuple[str, ...]] = {
     "tracking": TRACKERS,
     "teacher.source": ("model", "vllm", "privileged_fixed", "privileged_ema", "privileged_live"),
+    "teacher.tokenizer": ("shared", "own"),
+    "teacher.vocab_map": ("prefix", "exact"),
     "data.prompt_format": PROMPT_FORMATS,
-    "data.order": ("shuffled", "stored"),
+    "data.order": ("shuffled", "stored", "hf_trainer"),
+    "data.hf_order.rank_seeds": ("seed", "vllm_rank"),
     "data.teacher_context": ("solution", "cot", "both"),
-    "data.teacher_prompt": ("hint", "opsd"),
+    "data.teacher_prompt": ("hint", "opsd", "opsd_delimited"),
     "data.pad_side": ("left", "right"),
     "data.filters.reference": ("solution", "cot"),
     "eval.protocol": ("custom", "math500_proxy", "aime_final", "aime24_avg12"),
     "eval.prompt_format": ("",) + PROMPT_FORMATS,
     "runtime.device_lock": ("auto", "always", "never"),
     "rollout.engine": ("auto", "hf", "vllm"),
+    "rollout.source": ("live", "offline"),
+    "rollout.offline_ratio": ("behaviour", "none"),
     "loss.name": LOSS_NAMES,
     "loss.clip": ("none", "entry", "token"),
     "loss.sft_source": SFT_SOURCES,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,12 +61,24 @@ assert set(PROMPT_TEMPLATES) | {"raw"} == set(PROMPT_FORMATS)
 # data.teacher_prompt=hint: the student's prompt, then this (``{reference}``: data.teacher_context's text)
 PRIVILEGED_HINT = ("\n\nHere is a reference solution to this problem:\n{reference}\n\n"
                    "After understanding the reference solution, solve the problem yourself.")
-# data.teacher_prompt=opsd: the released collator's teacher message, its transition prompt included
+# data.teacher_prompt=opsd: the first release's collator's teacher message (d75fcc7), its transition prompt included
 OPSD_TEACHER_TEMPLATE = (
     "{problem}\n\nHere is a reference solution to this problem:\n{reference}\n"
     "\n\nAfter understanding the reference solution and the rationale behind each step, now articulate your own "
     "step-by-step reasoning that derives the same final answer to the problem below:\n"
     "\n" + BOXED_INSTRUCTION)
+# data.teacher_prompt=opsd_delimited: the teacher message of the release whose collator takes student_thinking /
+# teacher_thinking (siyan-zhao/OPSD data_collator.py at c181e5b, the math rows' branch; the seeded runs' recipe
+# sets teacher_thinking): the reference between delimiters, then the transition that asks to re-derive it
+OPSD_DELIMITED_TEACHER_TEMPLATE = (
+    "Problem: {problem}\n\nHere is a reference solution to this problem:\n"
+    "=== Reference Solution Begin ===\n{reference}\n=== Reference Solution End ===\n"
+    "\n\nAfter reading the reference solution above, make sure you truly understand the reasoning behind each step "
+    "\u2014 do not copy or paraphrase it. Now, using your own words and independent reasoning, derive the same final "
+    "answer to the problem above. Think step by step, explore different approaches, and don't be afraid to backtrack "
+    "or reconsider if something doesn't work out:\n"
+    "\n" + BOXED_INSTRUCTION)
+OPSD_TEACHER_TEMPLATES = {"opsd": OPSD_TEACHER_TEMPLATE, "opsd_delimited": OPSD_DELIMITED_TEACHER_TEMPLATE}
 
 
 class DataError(ValueError):
@@ -375,10 +388,11 @@ def teacher_reference(ex: Example, data: DataConfig) -> str:
 def privileged_prompt(ex: Example, data: DataConfig) -> str | list[dict]:
     """A privileged teacher's prompt (OPSD): ``hint``: the student's prompt with ``PRIVILEGED_HINT``
     after its last user message (text prompts of the embedded default, no chat template: `` [ref]``);
-    ``opsd``: the released collator's teacher message built from the problem (``OPSD_TEACHER_TEMPLATE``)."""
+    ``opsd`` / ``opsd_delimited``: a released collator's teacher message built from the problem
+    (``OPSD_TEACHER_TEMPLATES``)."""
     reference = teacher_reference(ex, data)
-    if data.teacher_prompt == "opsd":
-        text = _fill(OPSD_TEACHER_TEMPLATE, problem=ex.problem_text, reference=reference)
+    if data.teacher_prompt in OPSD_TEACHER_TEMPLATES:
+        text = _fill(OPSD_TEACHER_TEMPLATES[data.teacher_prompt], problem=ex.problem_text, reference=reference)
         return _as_prompt(_system_messages(ex) + [{"role": "user", "content": text}], data)
     formatted = format_prompt(ex, data)
     if isinstance(formatted, str):
@@ -390,15 +404,103 @@ def privileged_prompt(ex: Example, data: DataConfig) -> str | list[dict]:
     return [dict(m, content=m["content"] + hint) if i == last else m for i, m in enumerate(formatted)]
 
 
+def thinking(data: DataConfig, privileged: bool = False) -> bool:
+    """The chat template's ``enable_thinking`` for the student's prompts (``data.enable_thinking``) or
+    a privileged teacher's (``data.teacher_enable_thinking``)."""
+    return data.teacher_enable_thinking if privileged else data.enable_thinking
+
+
+def render_chat(tokenizer, messages: list[dict], enable_thinking: bool) -> str:
+    """``messages`` rendered by the tokenizer's chat template, with the generation prompt and
+    ``enable_thinking`` (a template that does not read it renders the same text either way)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("data.chat_template is true but the tokenizer has no chat template; "
+                        "set data.chat_template=false (prompts are then plain text)")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=enable_thinking)
+
+
+def render_prompt(ex: Example, tokenizer, data: DataConfig, privileged: bool = False) -> str:
+    """The prompt's text as the model reads it: chat messages rendered by the chat template
+    (``thinking``: its enable_thinking), else the plain text; ``privileged``: a privileged teacher's."""
+    formatted = privileged_prompt(ex, data) if privileged else format_prompt(ex, data)
+    return render_chat(tokenizer, formatted, thinking(data, privileged)) if isinstance(formatted, list) else formatted
+
+
 def encode_prompt(ex: Example, tokenizer, data: DataConfig, privileged: bool = False) -> list[int]:
     """Token ids of the formatted prompt; ``privileged``: the privileged teacher's prompt (OPSD)."""
     formatted = privileged_prompt(ex, data) if privileged else format_prompt(ex, data)
     if isinstance(formatted, list):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError("data.chat_template is true but the tokenizer has no chat template; "
-                            "set data.chat_template=false (prompts are then plain text)")
         # Rendered to text, then tokenized without extra special tokens (the template has them);
         # this sidesteps apply_chat_template(tokenize=True), which returns a BatchEncoding in transformers 5.
-        text = tokenizer.apply_chat_template(formatted, add_generation_prompt=True, tokenize=False)
+        text = render_chat(tokenizer, formatted, thinking(data, privileged))
         return list(tokenizer(text, add_special_tokens=False).input_ids)
     return list(tokenizer(formatted).input_ids)
+
+
+# --- the data order (data.order) ------------------------------------------------------------------------
+
+
+def hf_trainer_permutation(seed: int, n_rows: int, epoch: int) -> list[int]:
+    """Epoch ``epoch``'s row order in one process of a Hugging Face ``Trainer`` whose torch seed is
+    ``seed``: accelerate's ``SeedableRandomSampler`` reseeds its generator with seed + epoch at each
+    epoch, then ``RandomSampler`` draws ``torch.randperm(n_rows)`` from it."""
+    import torch
+
+    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def hf_trainer_rows(seed: int, n_rows: int, start: int, count: int, processes: int = 1, device_batch: int = 0,
+                    rank_seeds: str = "seed") -> list[int]:
+    """Rows ``start .. start+count-1`` of the stream a Hugging Face ``Trainer`` trains on, ``count``
+    rows a step (``data.order=hf_trainer``, ``data.hf_order``; ``start`` a multiple of ``count``).
+
+    Step s of W = ``processes`` processes, each taking b = ``device_batch`` rows a micro-batch and
+    a = count / (W b) micro-batches a step (gradient accumulation): process r's j-th micro-batch of
+    the step is batch u = (s a + j) W + r of its own epoch order (accelerate's ``BatchSamplerShard``
+    deals batch u to process u mod W), i.e. rows u b .. u b + b - 1 of ``hf_trainer_permutation(seed_r,
+    n_rows, epoch)``; seed_r = ``seed`` on every process (``rank_seeds=seed``) or r
+    (``vllm_rank``). The step's rows are listed micro-batch by micro-batch, process by process. An
+    epoch holds n_rows // count full steps: where its rows do not fill a last step, the Trainer
+    trains them as a shorter step and this stream starts the next epoch's order instead."""
+    b = device_batch or count // processes
+    if count % (processes * b) or start % count:
+        raise ValueError(f"data.order=hf_trainer: a step of {count} rows (rollout.prompts_per_step) must be a whole "
+                         f"number of micro-batches of data.hf_order.device_batch={b} rows on each of "
+                         f"data.hf_order.processes={processes} processes (and start at a step boundary, row {start})")
+    if n_rows < count:
+        raise DataError(f"data.order=hf_trainer: {n_rows} rows do not fill one step of {count} (rollout.prompts_per_step)")
+    a, per_epoch = count // (processes * b), n_rows // count
+    perms: dict[tuple[int, int], list[int]] = {}
+    out = []
+    for pos in range(start, start + count):
+        step, i = divmod(pos, count)
+        epoch, s = divmod(step, per_epoch)
+        j, rest = divmod(i, processes * b)
+        r, k = divmod(rest, b)
+        seed_r = seed if rank_seeds == "seed" else r
+        if (seed_r, epoch) not in perms:
+            perms[seed_r, epoch] = hf_trainer_permutation(seed_r, n_rows, epoch)
+        out.append(perms[seed_r, epoch][((s * a + j) * processes + r) * b + k])
+    return out
+
+
+def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = "shuffled", hf_order=None) -> list[int]:
+    """Rows ``start .. start+count-1`` of the data stream: a fresh seeded shuffle per epoch
+    (``data.order=shuffled``), the table's order, epoch after epoch (``stored``), or the Hugging Face
+    Trainer's from the seed (``hf_trainer``, a step of ``count`` rows: ``hf_trainer_rows``; ``hf_order``
+    the params' ``data.hf_order``, default its defaults)."""
+    if order == "hf_trainer":
+        from opdkit.config import HFOrderConfig
+
+        h = hf_order or HFOrderConfig()
+        return hf_trainer_rows(seed, n_rows, start, count, h.processes, h.device_batch, h.rank_seeds)
+    if order == "stored":
+        return [pos % n_rows for pos in range(start, start + count)]
+    out, perms = [], {}
+    for pos in range(start, start + count):
+        epoch, i = divmod(pos, n_rows)
+        if epoch not in perms:
+            perms[epoch] = random.Random(f"{seed}/epoch/{epoch}").sample(range(n_rows), n_rows)
+        out.append(perms[epoch][i])
+    return out

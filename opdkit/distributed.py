@@ -229,7 +229,7 @@ def shard_model(model, world: World):
     gather its parameters for those calls as it does for its own ``forward``.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(world.device.type, (world.size,))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -362,11 +362,12 @@ def reduce_metrics(m: dict, world: World) -> dict:
 # --- gathering the weights (rank 0 receives; every rank must call) -----------------------------
 
 
-def export_state_dict(model) -> dict[str, torch.Tensor]:
-    """``engines.weights.export_state_dict``: plain weights named as the base model's, LoRA merged
-    in, on rank 0's CPU ({} on other ranks; every rank takes part in gathering a sharded model)."""
+def export_state_dict(model, **kw) -> dict[str, torch.Tensor]:
+    """``engines.weights.export_state_dict`` (``kw``: its ``dtype``, ``copy``): plain weights named as the
+    base model's, LoRA merged in, on rank 0's CPU ({} on other ranks; every rank takes part in
+    gathering a sharded model)."""
     reshard(model)
-    return _export(model, keep=current().is_main)
+    return _export(model, keep=current().is_main, **kw)
 
 
 class NullPublisher:

@@ -15,6 +15,10 @@ the compute dtype, both scored over the shared vocabulary), on one batch of the 
 - self KL: the student as its own teacher through the loss path (``opd.score_batch`` +
   ``opd.micro_losses``) must give KL ~ 0;
 - teacher repeat: the teacher scores the batch twice, identically (no dropout, no nondeterminism);
+- top-K mass, for a top-K loss (topk_fkl, topk_rkl): verl's ``teacher_mass`` / ``student_mass`` /
+  ``overlap_ratio`` on the batch and the mass the loss's support sets aside (WARN under 90%);
+- offline pool, with ``rollout.source=offline`` (before the live checks): the pool read and checked
+  against the params (``opdkit.offline``), how many passes the run makes over it, its policy;
 - alignment (vllm teacher), with ``teacher.source=vllm``: the vLLM teacher (its server, or the
   colocated engine) scores the batch and its log-probs of the sampled tokens must match the HF
   teacher's (the same directory, loaded here) within the bf16 alignment tolerance
@@ -30,7 +34,7 @@ import textwrap
 
 import torch
 
-from opdkit import loss_table, opd, pairs
+from opdkit import loss_table, offline, opd, pairs
 from opdkit.config import Config, ConfigError, replace
 from opdkit.data import encode_prompt
 from opdkit.engines import vllm as vllm_engine
@@ -52,6 +56,8 @@ def diagnose(cfg: Config, log=lambda _: None) -> list[Finding]:
     findings = [params_finding(cfg, device)]
     inputs, found = pairs.check_inputs(cfg, strict=False)
     findings += found
+    if cfg.rollout.source == "offline":
+        findings.append(offline_finding(cfg, inputs))
     if inputs is None:
         return findings + [Finding(c, SKIP, "not run: fix the FAIL lines above first") for c in LIVE_CHECKS]
     return findings + live_checks(cfg, inputs, device, log)
@@ -91,7 +97,11 @@ def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[
         teacher = None
         if inputs.teacher_path is not None and has_weights(inputs.teacher_path):  # a served teacher may have none here
             teacher = load_model(inputs.teacher_path, device, dtype, "teacher model")
-            models["teacher model"] = (inputs.teacher_path, teacher)
+            if cfg.teacher.tokenizer == "own":  # over its own tokenizer's ids
+                pairs.use_shared_vocab(inputs.teacher_tokenizer, {"teacher model": (inputs.teacher_path, teacher)},
+                                       log=lambda _: None)
+            else:
+                models["teacher model"] = (inputs.teacher_path, teacher)
         pairs.use_shared_vocab(tok, models, log=lambda _: None)
     except ModelError as e:
         return out + [Finding("models", FAIL, str(e), "the directories above load as configs but not as models: "
@@ -104,13 +114,23 @@ def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[
     batch = sample_batch(cfg_hf, student, tok, examples, prompts, ac)
     out.append(alignment_finding("alignment (hf)", cfg_hf, batch, student, opd.check_precision(cfg_hf, dtype, device), ac))
     own = opd.Batch(batch.rollout, batch.rollout.prompt_ids_B_Sp, batch.rollout.prompt_mask_B_Sp)  # the student's prompts
+    t_own = own
+    if inputs.xtok is not None and cfg.teacher.tokenizer == "own":  # the teacher scores its own tokens of the samples
+        from opdkit import xtok
+        from opdkit.data import encode_prompt as encode
+
+        t_own = opd.Batch(batch.rollout, batch.rollout.prompt_ids_B_Sp, batch.rollout.prompt_mask_B_Sp)
+        t_own.xtok = xtok.teacher_view(inputs.xtok, batch.rollout.completion_ids_B_T, batch.rollout.completion_mask_B_T,
+                                       [encode(ex, inputs.teacher_tokenizer, cfg.data) for ex in examples])
     cfg_self = cfg if loss_table.samples_from(cfg.loss) == "student" else replace(cfg, "loss.name=rkl")
     tol = opd.alignment_tolerance(cfg, opd.check_precision(cfg_hf, dtype, device))[1]
     log("scoring the batch: the student against itself, the teacher twice")
     out.append(self_kl_finding(cfg_self, student, own, ac, tol))
-    out.append(teacher_repeat_finding(cfg_self, teacher, own, ac, tol))
+    out.append(teacher_repeat_finding(cfg_self, teacher, t_own, ac, tol))
+    if TOPK_LOSSES.get(cfg.loss.name) and t_own is own:  # (cross-tokenizer pairs refuse the top-K losses)
+        out.append(topk_finding(cfg, student, teacher, own, ac))
     if cfg.teacher.source == "vllm":
-        out.append(vllm_teacher_finding(cfg, inputs, teacher, own, device, ac, log))
+        out.append(vllm_teacher_finding(cfg, inputs, teacher, t_own, device, ac, log))
     out.append(vllm_finding(cfg, student, tok, examples, prompts, dtype, device, ac, log))
     return out
 
@@ -138,12 +158,17 @@ def alignment_finding(check: str, cfg: Config, batch: opd.Batch, student, precis
     except AlignmentError as e:
         return Finding(check, FAIL, str(e), "the loss would train on log-probs of other tokens or positions than were "
                        "sampled: fix what the message names before training")
+    if "logprob_check" in r:  # data.pad_side=right: the span part only
+        return Finding(check, OK, f"{tokens} sampled tokens: the supervised span is exactly the sampled completion, "
+                       f"right after the prompt block; log-prob comparison {r['logprob_check']}")
     tol_max, tol_mean = opd.alignment_tolerance(cfg, precision)
-    paths = "; ".join(f"{what}max {r[f'{key}_max_abs_dlogp']:.2g}, mean {r[f'{key}_mean_abs_dlogp']:.2g}"
+    paths = "; ".join(f"{what}max {r[f'{key}_max_abs_dlogp']:.2g}, mean {r[f'{key}_mean_abs_dlogp']:.2g}, weight-0 "
+                      f"share {r[f'{key}_weight0_share']:.2g}"
                       for key, what in (("recompute", ""), ("teacher_path", "on the teacher's input: "))
                       if f"{key}_max_abs_dlogp" in r)
     return Finding(check, OK, f"{tokens} sampled tokens, |sampling-time - recomputed log-prob| {paths} (allowed at "
-                   f"{str(precision).replace('torch.', '')}: max {tol_max:g}, mean {tol_mean:g})")
+                   f"{str(precision).replace('torch.', '')}: max {tol_max:g}, mean {tol_mean:g}; weight-0 share "
+                   f"{cfg.runtime.alignment_max_weight0_share:g})")
 
 
 def self_kl_finding(cfg: Config, student, batch: opd.Batch, ac, tol: float) -> Finding:
@@ -177,6 +202,54 @@ def teacher_repeat_finding(cfg: Config, teacher, batch: opd.Batch, ac, tol: floa
     return Finding("teacher repeat", status, f"the teacher's two scorings of the same batch differ by up to {d:.2g} "
                    f"per token (allowed {tol:g}): nondeterministic kernels, dropout, or a stochastic layer",
                    "load the teacher in eval mode with deterministic kernels (torch.use_deterministic_algorithms)")
+
+
+# the top-K losses and the mass their support sets aside: (the metric, what it is, the fix when it is small,
+# whether loss.tail_bucket keeps that mass in the loss)
+TOPK_LOSSES = {
+    "topk_fkl": ("teacher_mass", "the teacher's mass on its top-K",
+                 "raise loss.topk, or set loss.tail_bucket=true (the rest of the teacher's mass as one bucket)", True),
+    "topk_rkl": ("student_support_mass", ("the student's mass on its own top-K (the loss renormalises over it and "
+                                          "gives the rest no gradient)"), "raise loss.topk", False),
+}
+TOPK_MASS_WARN = 0.9  # below this share of the distribution inside the support, the doctor warns
+
+
+def topk_finding(cfg: Config, student, teacher, batch: opd.Batch, ac) -> Finding:
+    """A top-K loss on the doctor's batch: verl's ``teacher_mass`` / ``student_mass`` / ``overlap_ratio``
+    (``opdkit.topk_losses``) and the mass the loss's support sets aside (WARN under ``TOPK_MASS_WARN``)."""
+    check = "top-K mass"
+    if teacher is None:
+        return Finding(check, SKIP, "no teacher weights here to score the batch with")
+    m = opd.micro_losses(cfg, student, batch, opd.score_batch(cfg, teacher, batch, ac), ac)
+    student.zero_grad(set_to_none=True)
+    key, what, fix, tail = TOPK_LOSSES[cfg.loss.name]
+    detail = (f"loss.name={cfg.loss.name}, K={cfg.loss.topk} on {int(m['tokens'])} sampled tokens: teacher_mass "
+              f"{m['teacher_mass']:.4f}, student_mass {m['student_mass']:.4f}, overlap_ratio {m['overlap_ratio']:.3f} "
+              f"(verl's definitions); {what} {m[key]:.4f}")
+    small = m[key] < TOPK_MASS_WARN and not (tail and cfg.loss.tail_bucket)
+    return Finding(check, WARN, detail, fix) if small else Finding(check, OK, detail)
+
+
+def offline_finding(cfg: Config, inputs: Inputs | None) -> Finding:
+    """``rollout.source=offline``: the pool read and checked against these params (``opdkit.offline``):
+    what it holds, how many passes the run makes over it, whether its policy is the run's student."""
+    if inputs is None:
+        return Finding("offline pool", SKIP, "not run: fix the FAIL lines above first")
+    try:
+        pool = offline.read_pool(cfg.rollout.offline_file)
+        offline.check_pool(cfg, pool, inputs.teacher_path, inputs.data_fingerprint)
+    except offline.OfflineError as e:
+        return Finding("offline pool", FAIL, str(e), "draw a pool for these params: opdkit offline-rollouts --out FILE "
+                       "(with the same -p / -r / -S)")
+    m = pool.meta
+    passes = cfg.rollout.prompts_per_step * cfg.budget.max_steps / m["n_prompts"] if cfg.budget.max_steps else None
+    who = ("the run's student (at step 0)" if offline.behaviour_is_student(pool, inputs.student_path)
+           else "another model than the run's student")
+    return Finding("offline pool", OK, f"{pool.path}: {m['n_prompts']} prompts x {m['samples_per_prompt']} samples of "
+                   f"{m['policy']} ({who}), scored by {m['teacher']}" + (f", teacher top-{m['topk']}" if m["topk"] else "")
+                   + (f"; budget.max_steps makes {passes:.2g} passes over it" if passes else "")
+                   + f"; importance ratio: rollout.offline_ratio={cfg.rollout.offline_ratio}")
 
 
 def has_weights(path) -> bool:

@@ -60,7 +60,7 @@ def _accuracy(records: list[dict]) -> dict:
 
 
 def summarize(records: list[dict]) -> dict:
-    """The eval JSON of DESIGN.md from graded per-sample records; ``verifier_frac`` is the share of
+    """The eval JSON (docs/design.md, "Metrics") from graded per-sample records; ``verifier_frac`` is the share of
     samples that only the verifier accepted. With questions from several sources (AIME 2024 and
     2025), ``parts`` holds each source's accuracy, clustered stderr and counts."""
     acc = _accuracy(records)
@@ -86,11 +86,13 @@ def summarize(records: list[dict]) -> dict:
 def evaluate(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
              progress: bool = True) -> tuple[dict, list[dict]]:
     """Sample, grade (in the main thread: math-verify uses signals) and summarise. The prompt format is
-    ``eval.prompt_format`` ("" = ``data.prompt_format``)."""
+    ``eval.prompt_format`` ("" = ``data.prompt_format``), the chat template's enable_thinking
+    ``eval.enable_thinking``."""
     if ev.max_questions:
         examples = examples[: ev.max_questions]
     if ev.prompt_format:
         data = dataclasses.replace(data, prompt_format=ev.prompt_format)
+    data = dataclasses.replace(data, enable_thinking=ev.enable_thinking)  # the benchmark's, not training's
     records = sample_answers(model, tokenizer, examples, data, ev, progress)
     grades = grade_many([r["completion"] for r in records], [r["answer"] for r in records])
     for r, g in zip(records, grades):
@@ -102,7 +104,8 @@ def protocol_record(ev: EvalConfig, n_questions: int) -> dict:
     """What the eval JSON records about the protocol: the eval params that define the measurement and,
     for a preset, whether this evaluation is a complete one (every question of its benchmark)."""
     out: dict = {"eval_params": {k: getattr(ev, k) for k in
-                                 ("protocol", "n_samples", "temperature", "top_p", "max_new_tokens", "seed", "prompt_format")}}
+                                 ("protocol", "n_samples", "temperature", "top_p", "max_new_tokens", "seed", "prompt_format",
+                                  "enable_thinking")}}
     if ev.protocol in PROTOCOLS:
         expected = PROTOCOLS[ev.protocol].n_questions
         out.update(protocol=ev.protocol, protocol_questions=expected,

@@ -295,7 +295,7 @@ def device_lock_path() -> Path:
 
 
 class DeviceLock(_FileLock):
-    """The GPU workload lock (DESIGN.md, run.sh): training holds it ``shared`` (concurrent probes may
+    """The GPU workload lock (docs/design.md, "run.sh"): training holds it ``shared`` (concurrent probes may
     share the machine), ``opdkit eval`` exclusively (it refuses to start while a training process holds
     it, and no training starts while an evaluation runs); a conflict raises ``DeviceBusy`` (exit 75)."""
 

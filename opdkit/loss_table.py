@@ -52,6 +52,7 @@ TEACHER_NEEDS = ("none", "recorded", "token", "topk", "full")  # what the teache
 _TOKEN = ("logp_B_T", "old_logp_B_T", "teacher_logp_B_T", "mask_B_T", "n_tokens")
 _FULL = ("logits_B_T_V", "teacher_logp_B_T_V", "mask_B_T", "n_tokens")
 _CLIP_METRICS = ("kl", "kl_forward", "clipped_mass", "clipped_frac", "topk_overlap", "tokens")
+_TOPK_METRICS = ("teacher_mass", "student_mass", "overlap_ratio")  # verl's, every top-K loss (opdkit.topk_losses)
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,14 @@ LOSSES: dict[str, LossSpec] = {s.name: s for s in (
              "KL(p_T || p_S)", "r - 1 - log r (r = p_T / p_S) of each sampled token, differentiated directly"),
     LossSpec("topk_fkl", "topk_fkl_loss", ("logits_B_T_V", "topk_ids_B_T_K", "topk_logp_B_T_K", "mask_B_T", "n_tokens"),
              "topk", lambda L: {"tail_bucket": L.tail_bucket},
-             ("fkl_topk", "rkl_topk", "teacher_topk_mass", "student_topk_mass", "topk_overlap", "tokens"),
+             ("fkl_topk", "rkl_topk", "teacher_topk_mass", "student_topk_mass", "topk_overlap", *_TOPK_METRICS, "tokens"),
              "KL(p_T || p_S) over the teacher's top-K (+ tail bucket)",
              "forward KL over the teacher's top-K ids (loss.topk, loss.tail_bucket)"),
+    LossSpec("topk_rkl", "topk_rkl_loss", _FULL, "full",
+             lambda L: {"k": L.topk, "teacher_temperature": L.teacher_temperature},
+             ("rkl_topk", "kl", "student_support_mass", "teacher_support_mass", *_TOPK_METRICS, "tokens"),
+             "KL(p_S|S || p_T|S), both renormalised over the student's top-K S (S held fixed)",
+             "reverse KL over the student's top-K ids, both renormalised there (loss.topk)"),
     LossSpec("fkl", "fkl_loss", _FULL, "full", _clip_params, _CLIP_METRICS, "KL(p_T || p_S)",
              "forward KL over the vocabulary (loss.clip, loss.clip_tau)"),
     LossSpec("rkl", "rkl_loss", _FULL, "full", _clip_params, _CLIP_METRICS, "KL(p_S || p_T)",
@@ -106,6 +112,18 @@ def spec(name: str) -> LossSpec:
     if name not in LOSSES:
         raise ValueError(f"loss.name={name!r}: expected one of {', '.join(LOSS_NAMES)}")
     return LOSSES[name]
+
+
+OFFLINE_NEEDS = ("token", "topk")  # what a pool stores of the teacher once (opdkit.offline): a token's, or K values
+
+
+def trains_offline(name: str) -> bool:
+    """Whether loss ``name`` can train on an offline pool (``rollout.source=offline``): it trains on the
+    student's samples (here: the pool policy's) and needs of the teacher what a pool stores once, each
+    sampled token's log-prob or its top-K; a full-distribution loss needs the teacher at ids the current
+    student puts mass on (``opdkit.offline`` refuses those, with the reason)."""
+    s = spec(name)
+    return s.teacher in OFFLINE_NEEDS and s.reward != "none"
 
 
 def samples_from(L) -> str:
@@ -158,4 +176,32 @@ CONVENTION = (
 def help_text() -> str:
     """One line per loss: name, what it is, the divergence its expected gradient follows; then the convention."""
     lines = [f"  {s.name:9s}{s.summary}; gradient of {s.divergence}" for s in LOSSES.values()]
+    offline = ", ".join(n for n in LOSS_NAMES if trains_offline(n))
+    lines.append(f"  offline (-S rollout.source=offline -S rollout.offline_file=POOL, a pool from `opdkit offline-rollouts`; "
+                 f"docs/offline_opd.md): {offline}")
     return "\n".join(lines) + "\n\n" + textwrap.fill(CONVENTION, 100, initial_indent="  ", subsequent_indent="  ")
+
+
+# Cross-tokenizer OPD (teacher.tokenizer=own; opdkit.xtok aligns the two tokenizations into spans, opdkit.xtok_loss
+# computes these): how each loss runs when the teacher has a tokenizer of its own. A loss not listed is refused.
+XTOK: dict[str, str] = {
+    "k1": "the span advantage T_j - S_j (teacher minus student log-prob of the span's text) on every token of the span",
+    "k2": "k2 of the span's log-ratio S_j - T_j, its gradient on every token of the span",
+    "k3": "k3 of the span's ratio exp(T_j - S_j), its gradient on every token of the span",
+    "rkl": "reverse KL at one-to-one spans over the teacher's distribution projected onto the student's ids "
+           "(teacher.vocab_map; unmapped mass in a tail bucket), span k2 on merged spans",
+    "fkl": "forward KL at one-to-one spans over the teacher's distribution projected onto the student's ids "
+           "(teacher.vocab_map; unmapped mass in a tail bucket), span k3 on merged spans",
+}
+
+
+def xtok_support(name: str) -> str | None:
+    """How loss ``name`` runs across tokenizers (``XTOK``), None where it does not."""
+    return XTOK.get(name)
+
+
+def xtok_help_text() -> str:
+    """The CLI help's cross-tokenizer section: one line per loss."""
+    lines = [f"  {name:9s}{XTOK.get(name, 'not supported (teacher.tokenizer=shared only)')}" for name in LOSSES]
+    return "cross-tokenizer (-S teacher.tokenizer=own: the teacher scores the text in its own tokens):\n" + "\n".join(
+        textwrap.fill(line, 100, subsequent_indent=" " * 11) for line in lines)

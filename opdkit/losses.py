@@ -20,6 +20,8 @@ S, see ``opdkit.loss_table``; with top-p < 1 the forward-KL sums run over S):
 - ``rkl_loss``: reverse KL(p_S || p_T) per position (mode-seeking), exact over the vocabulary.
 - ``jsd_loss``: generalized JSD of GKD (beta=0: forward KL, beta=1: reverse KL).
 - ``topk_fkl_loss``: forward KL over the teacher's top-K ids, plus one tail bucket.
+- ``topk_rkl_loss``: reverse KL over the student's top-K ids, both renormalised there
+  (``opdkit.topk_losses``, re-exported here).
 
 Normalisation: every loss takes ``n_tokens``, the number of masked-in completion tokens in the
 whole optimizer step (all micro-batches), and returns ``sum of per-token loss / n_tokens``; the
@@ -49,6 +51,7 @@ import torch
 
 from opdkit.token_losses import (_check_n_tokens, _floats, _mean, k1_loss, k2_loss, k3_loss,  # noqa: F401
                                  masked_sum, reward_pg_loss, sft_loss)
+from opdkit.topk_losses import topk_diagnostics, topk_rkl_loss  # noqa: F401
 
 Tensor = torch.Tensor
 CLIPS = ("none", "entry", "token")
@@ -279,7 +282,8 @@ def topk_fkl_loss(
     bucket; the exact ``kl`` is not available from top-K, so there is no ``kl`` key),
     ``teacher_topk_mass``, ``student_topk_mass`` (student mass on the teacher's ids),
     ``topk_overlap`` (the teacher's top-min(k, K) among its ids vs the student's top-min(k, K)),
-    ``tokens``.
+    verl's ``teacher_mass`` / ``student_mass`` (the two masses above, under verl's names) and
+    ``overlap_ratio`` (|teacher top-K ∩ student top-K| / K: ``topk_losses.topk_diagnostics``), ``tokens``.
     """
     B, T, V = _check_logits(student_logits_B_T_V)
     ids_shape = tuple(topk_ids_B_T_K.shape)
@@ -327,6 +331,9 @@ def topk_fkl_loss(
             "teacher_topk_mass": _mean(raw_t_B_T_K.exp().sum(-1), mask_B_T),
             "student_topk_mass": _mean(s_B_T_K.detach().exp().sum(-1), mask_B_T),
             "topk_overlap": _mean(overlap_B_T, mask_B_T),
+            # verl's top-K diagnostics (opdkit.topk_losses): teacher_mass = teacher_topk_mass, student_mass =
+            # student_topk_mass (kept under both names), overlap_ratio = |T ∩ student top-K| / K
+            **topk_diagnostics(logits_B_T_V.detach() - log_z_B_T[..., None], ids_B_T_K, raw_t_B_T_K, mask_B_T),
             "tokens": mask_B_T.sum().float(),
         }
     return loss, _floats(metrics)

@@ -39,6 +39,7 @@ class Batch:
     pad_side: str = "left"  # data.pad_side: how the scored sequences are laid out (GEOMETRIES)
     reward_adv_B: torch.Tensor | None = None  # loss.reward_weight: each row's group-centred reward A_b (opdkit.rewards)
     teacher_B: torch.Tensor | None = None  # several teachers: each row's index into cfg.teachers (opdkit.teachers)
+    xtok: object = None  # teacher.tokenizer=own: the teacher's view and the span alignment (opdkit.xtok.XtokBatch)
 
 
 def step_seeds(seed: int, step: int, n: int, offset: int = 0) -> list[int]:
@@ -98,41 +99,70 @@ def alignment_tolerance(cfg: Config, dtype: torch.dtype) -> tuple[float, float]:
     return R.alignment_tol_bf16 if dtype in (torch.bfloat16, torch.float16) else R.alignment_tol_fp32
 
 
+def check_right_padded_span(g: Geometry, completion_ids_B_T, completion_mask_B_T, prompt_mask_B_Sp) -> dict:
+    """The span part of the alignment check under ``data.pad_side=right`` (the released ``[OPSD align]``'s):
+    the scored columns after the prompt block hold exactly the sampled completion (each row's
+    supervised span one run from its first token, nothing else masked in there), the completion
+    starts right after the block (no pad between the block and it: column Sp, position Sp) and every
+    row's block is its prompt, real tokens first (``build_right_padded_geometry``). Returns counts."""
+    Sp, T = g.prompt_width, g.completion_len
+    m_B_T = completion_mask_B_T.bool()
+    if not torch.equal(g.input_ids_B_S[:, Sp:Sp + T][m_B_T], completion_ids_B_T[m_B_T]):
+        raise AlignmentError("scored tokens differ from the sampled completion tokens")
+    if not torch.equal(g.attention_mask_B_S[:, Sp:Sp + T].bool(), m_B_T):
+        raise AlignmentError("the supervised span is not the sampled completion: other columns after the prompt "
+                             "block are attended")
+    if bool((m_B_T[:, 1:] & ~m_B_T[:, :-1]).any()):
+        raise AlignmentError("a completion's supervised span has a gap: a pad inside the completion")
+    block_B_Sp = g.attention_mask_B_S[:, :Sp].long()
+    n_B = prompt_mask_B_Sp.long().sum(dim=1)
+    real_first_B_Sp = torch.arange(Sp, device=n_B.device)[None, :] < n_B[:, None]
+    if not torch.equal(block_B_Sp.bool(), real_first_B_Sp):
+        raise AlignmentError("a prompt block is not its prompt's real tokens followed by pads (the released layout)")
+    want_B_T = Sp + torch.arange(T, device=n_B.device)[None, :].expand_as(m_B_T)
+    if not torch.equal(g.position_ids_B_S[:, Sp:Sp + T][m_B_T], want_B_T[m_B_T]):
+        raise AlignmentError("a pad sits between the prompt block and the completion (its positions do not start "
+                             "right after the block)")
+    return {"alignment_rows": int(m_B_T.shape[0]), "alignment_tokens": int(m_B_T.sum())}
+
+
 def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> dict:
     """The alignment self-check on a step's batch; raises ``AlignmentError`` when it fails.
 
-    1. Layout (``check_alignment``) of the student's and the teacher's scored sequences: the
-       scored columns hold the sampled tokens, no pad between prompt and completion, positions
-       continuing the prompt's.
+    1. Layout of the student's and the teacher's scored sequences: left padding (``check_alignment``):
+       the scored columns hold the sampled tokens, no pad between prompt and completion, positions
+       continuing the prompt's; right padding (``check_right_padded_span``, the released run's
+       check): the supervised span is exactly the sampled completion, right after the prompt block.
+       Under right padding the log-prob comparison below is skipped (the pads shift every scored
+       position: ``pad_offset_*`` records by how much) and the report says so (``logprob_check``).
     2. The student's log-probs of the sampled tokens recomputed as the loss computes them (log π
        at ``rollout.temperature`` / ``top_p``) must equal the sampling-time ones
-       (``Rollout.sampling_logp_B_T``) within ``alignment_tolerance`` (max and mean over tokens): a
-       sampler that saw other positions, other context or other logits (a penalty, a processor
-       the recompute does not apply, another temperature) fails. A sampled token that the
-       recompute puts outside its top-p nucleus (π = 0: a token at the nucleus' edge, moved by
-       rounding) is left out of those figures and counted (``*_outside_nucleus_frac``); their
-       share may not exceed the mean tolerance either.
-    3. With ``teacher.source=model`` the teacher's input is scored by the sampling policy
-       through the teacher's path and must match the same way: a teacher that sees the
-       completion shifted, or another prompt, fails.
-    Returns the counts and ``recompute_max_abs_dlogp`` / ``recompute_mean_abs_dlogp`` /
-    ``recompute_outside_nucleus_frac`` (and ``teacher_path_*``). Call it under the step's
-    autocast, on a batch sampled by ``student``.
+       (``Rollout.sampling_logp_B_T``) within ``alignment_tolerance`` (max and mean over the tokens
+       inside the recomputed nucleus): a sampler that saw other positions, other context or other
+       logits (a penalty, a processor the recompute does not apply, another temperature) fails.
+    3. Apart from that, the weight-0 share: sampled tokens that the recompute puts outside its top-p
+       nucleus (π = 0: the update gives them weight 0; rounding or a tie at the nucleus' edge that
+       the sampler broke otherwise), at most ``runtime.alignment_max_weight0_share`` of the tokens.
+    4. With ``teacher.source=model`` the teacher's input is scored by the sampling policy through
+       the teacher's path and must match the same way: a teacher that sees the completion shifted,
+       or another prompt, fails.
+    Returns the counts, ``recompute_max_abs_dlogp`` / ``recompute_mean_abs_dlogp`` /
+    ``recompute_weight0_share`` (and ``teacher_path_*``). Call it under the step's autocast, on a
+    batch sampled by ``student``.
     """
     ro = batch.rollout
     if batch.pad_side == "right":
-        k = pad_offsets(batch)
-        raise AlignmentError(
-            "alignment check failed on the first batch: data.pad_side=right scores every completion after its row's "
-            f"prompt pads, which consume positions: offsets of {k['pad_offset_student_mean']:.1f} (max "
-            f"{k['pad_offset_student_max']:.0f}) positions on the student's side and {k['pad_offset_teacher_mean']:.1f} "
-            f"(max {k['pad_offset_teacher_max']:.0f}) on the teacher's. To train with the released OPSD layout on "
-            "purpose, set runtime.alignment_check=false (recipes/opsd_released.yaml does; train.jsonl then records "
-            "the offsets as pad_offset_*); data.pad_side=left scores the tokens where they were sampled")
+        out = check_right_padded_span(student_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
+                                      ro.prompt_mask_B_Sp)
+        out.update(check_right_padded_span(teacher_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
+                                           batch.teacher_prompt_mask_B_Sp))
+        return out | {"logprob_check": "skipped: data.pad_side=right scores every completion after its row's prompt "
+                                       "pads (pad_offset_* in train.jsonl)"}
     out = check_alignment(student_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T, ro.prompt_mask_B_Sp)
     out.update(check_alignment(teacher_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
                                batch.teacher_prompt_mask_B_Sp))
     tol_max, tol_mean = alignment_tolerance(cfg, dtype)
+    max_share = cfg.runtime.alignment_max_weight0_share
     paths = {"recompute": (student_geometry(batch), "the student's log-probs of the sampled tokens, recomputed as "
                                                     "the loss computes them,")}
     if cfg.teacher.source == "model":
@@ -141,6 +171,7 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
     m_B_T = ro.completion_mask_B_T.bool()
     _, head = unwrap(student)
     temperature, top_p = loss_table.update_policy(cfg.loss, cfg.rollout)
+    dt = str(dtype).replace("torch.", "")
     for key, (g, what) in paths.items():
         with torch.no_grad():
             h_B_T_H = completion_hidden(student, g, cfg.runtime.unpadded_rows)
@@ -149,18 +180,24 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
         inside_N = logp_B_T[m_B_T] != float("-inf")  # N masked-in tokens; NaN counts as inside (and fails below)
         d_N = (logp_B_T[m_B_T] - _recorded(ro)[m_B_T])[inside_N].abs()
         d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
-        outside = float((~inside_N).float().mean()) if inside_N.numel() else 0.0
+        share = float((~inside_N).float().mean()) if inside_N.numel() else 0.0
         out[f"{key}_max_abs_dlogp"], out[f"{key}_mean_abs_dlogp"] = d_max, d_mean
-        out[f"{key}_outside_nucleus_frac"] = outside
-        if not (d_max <= tol_max and d_mean <= tol_mean and outside <= tol_mean):  # NaN fails too
-            dt = str(dtype).replace("torch.", "")
+        out[f"{key}_weight0_share"] = share
+        if not (d_max <= tol_max and d_mean <= tol_mean):  # NaN fails too
             raise AlignmentError(
-                f"alignment check failed on the first batch: {what} differ from the sampling-time ones by up to "
-                f"{d_max:.3g} (mean {d_mean:.3g}; a share {outside:.3g} outside the recomputed top-p nucleus); allowed "
-                f"at {dt} compute: {tol_max:g} (mean and share {tol_mean:g}), params runtime.alignment_tol_fp32/_bf16. "
-                "The scorer does not see the tokens where the sampler did: prompt padding or positions, a shifted "
-                "completion, or a sampling setting (e.g. a repetition penalty, another temperature) the recompute "
-                "does not apply. runtime.alignment_check=false skips this check")
+                f"alignment check failed: {what} differ from the sampling-time ones by up to {d_max:.3g} (mean "
+                f"{d_mean:.3g}, over the tokens inside the recomputed top-p nucleus); allowed at {dt} compute: "
+                f"{tol_max:g} (mean {tol_mean:g}), params runtime.alignment_tol_fp32/_bf16. The scorer does not see "
+                "the tokens where the sampler did: prompt padding or positions, a shifted completion, or a sampling "
+                "setting (e.g. a repetition penalty, another temperature) the recompute does not apply. "
+                "runtime.alignment_check=false skips this check")
+        if not share <= max_share:
+            raise AlignmentError(
+                f"alignment check failed: a share {share:.3g} of the sampled tokens ({int((~inside_N).sum())} of "
+                f"{inside_N.numel()}) lies outside the top-p nucleus recomputed from the current logits, so the update "
+                f"gives them weight 0; allowed: {max_share:g} (params runtime.alignment_max_weight0_share). Rounding "
+                "and ties at the nucleus' edge give ~0.1%; more means the sampler's nucleus is another one (another "
+                "rollout.top_p or temperature, or logits the recompute does not see)")
     return out
 
 
@@ -217,7 +254,15 @@ def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: Batch, rows: s
     kwargs = spec.params(L) | ({"reward_adv_B_T": reward_B_C} if reward_B_C is not None and spec.reward == "advantage"
                                else {})
     groups = teachers.row_groups(cfg, batch, rows)  # None: one teacher for every row
-    if groups is None:
+    xtok = t_ctx is not None and "xtok_span_B_T" in t_ctx  # teacher.tokenizer=own (opdkit.xtok_loss)
+    if xtok and spec.teacher == "full":
+        from opdkit import xtok_loss
+
+        proj = xtok_loss.make_projection(batch.xtok.pair, cfg.teacher.vocab_map, logits_B_C_V.device)
+        loss, m = xtok_loss.full_loss(L.name, logits_B_C_V, teacher_full_B_C_V(), make["logp_B_T"](),
+                                      make["teacher_logp_B_T"](), t_ctx["xtok_one_B_T"][:, sl],
+                                      t_ctx["xtok_len_B_T"][:, sl], make["mask_B_T"](), n_tokens, proj, **kwargs)
+    elif groups is None:
         loss, m = getattr(losses, spec.fn)(*(make[name]() for name in spec.inputs), **kwargs)
         _fill_kl(cfg, m, logits_B_C_V, ids_B_C, t_ctx, sl, make["mask_B_T"]())
     else:  # each teacher's rows through the loss on their own: the same sum, and metrics per teacher
@@ -231,6 +276,10 @@ def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: Batch, rows: s
             loss = part if loss is None else loss + part
             parts[name] = (m_t, float(part.detach()) * n_tokens)
         m = teachers.chunk_metrics(_combine([m_t for m_t, _ in parts.values()]), parts)
+    if xtok:
+        from opdkit import xtok_loss
+
+        m = xtok_loss.chunk_metrics(m, t_ctx, sl, make["logp_B_T"](), make["mask_B_T"](), spec.teacher != "full")
     if reward_B_C is not None:
         loss, m = _add_reward(cfg, spec, loss, m, make, reward_B_C, t_ctx, sl)
     return loss, m
@@ -303,6 +352,13 @@ def score_batch(cfg: Config, teacher, batch: Batch, autocast, teacher_ctx_manage
     ``teachers.TeacherSet`` (each row scored by the teacher it names) or a teacher that scores
     elsewhere (``engines.vllm_teacher``: one call for the step's rows)."""
     with autocast():
+        if batch.xtok is not None:  # teacher.tokenizer=own: the teacher scores its own tokens, moved onto the student's
+            from opdkit import xtok_loss
+
+            view = Batch(batch.xtok.teacher, batch.xtok.teacher.prompt_ids_B_Sp, batch.xtok.teacher.prompt_mask_B_Sp)
+            slices = micro_slices(cfg, batch)
+            return [xtok_loss.to_student(ctx, batch.xtok, rows)
+                    for ctx, rows in zip(score_rows(cfg, teacher, view, slices, teacher_ctx_manager), slices)]
         return score_rows(cfg, teacher, batch, micro_slices(cfg, batch), teacher_ctx_manager)
 
 
@@ -359,6 +415,12 @@ def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n
         with autocast(), gather_once(student):
             h_B_T_H = completion_hidden(student, student_geometry(batch, rows), cfg.runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
+        if t_ctx is not None and "xtok_span_B_T" in t_ctx:  # teacher.tokenizer=own: t~ of merged spans' tokens
+            from opdkit import xtok_loss  # (a no-grad pass of the head, the root still gathered: no collective)
+
+            with autocast():
+                t_ctx = xtok_loss.with_student_rest(t_ctx, s_head, h_leaf, batch.rollout.completion_ids_B_T[rows],
+                                                    chunk, *loss_table.update_policy(cfg.loss, cfg.rollout))
         with deferred_grad_sync(student):
             for s in range(0, h_leaf.shape[1], chunk):
                 sl = slice(s, s + chunk)

@@ -10,13 +10,20 @@ Step n of a run (θ_k: the weights after k updates)::
     sync_weights(θ_n)            waits for the prefetch to finish, then pushes θ_n into the engine
 
 From the second step on, each batch was drawn by the weights one update behind those it trains
-(``rollout_lag`` 1 in train.jsonl). The token losses (k1, k2, k3) correct for that with the
+(``rollout_lag`` 1 in train.jsonl). The token losses (k1, k2, k3) reweight each token with the
 log-probs the engine recorded while drawing it (``Rollout.sampling_logp_B_T``, the losses'
 ``old_logp_B_T``: k1's clipped PPO ratio, k2 / k3's importance weight), as they already do for the
-sampler's own rounding; the full-vocabulary losses (rkl, fkl, jsd, topk_fkl) are exact at each
-sampled prefix and take the prefixes as drawn, one update old (as one-step-off trainers do). With
-weights that do not change (lr = 0) the run is the on-policy run, step for step
-(tests/test_overlap.py).
+sampler's own rounding. That corrects the last token's distribution only: the prefix stays the one
+the old weights drew, exactly as the full-vocabulary losses (rkl, fkl, jsd, topk_fkl) take it (exact
+at each sampled prefix, the prefixes one update old, as one-step-off trainers do). So the update is
+biased, and by how much is stated, measured by exact enumeration (``opdkit.biases.OVERLAP_BIAS``):
+k2's bias is rkl's and k3's fkl's to the last digit, k1's PPO clip adds to it, and with top-p < 1 the
+sampled-token losses miss the ids inside the current nucleus that the stale one excluded
+(``UNREACHABLE_BIAS``). A correction (sequence-level importance weights for the prefix)
+would weight every position of every loss by a product of ratios over its prefix, whose variance grows
+with the completion's length; opdkit does not make it. The reward term is refused with overlap
+(``rewards.check_params``). With weights that do not change (lr = 0) the run is the on-policy run,
+step for step (tests/test_overlap.py).
 
 What can overlap on one GPU: a rollout's decode steps are latency-bound (small kernels, and
 vLLM's scheduling and output processing on the CPU between them), so the GPU has idle time during

@@ -10,7 +10,12 @@ and run the models are ``opdkit.doctor``'s.
 - the chat template: present where ``data.chat_template`` renders prompts with it; chat-message
   rows with ``data.chat_template=false`` are flattened to plain text; the teacher's template the
   same as the student's (the student's renders the prompts both models see);
-- one vocabulary: the same token ids, the same split of a data row;
+- thinking: each side's ``enable_thinking`` (``data.enable_thinking``, ``data.teacher_enable_thinking``)
+  and whether the template reads it;
+- one vocabulary: the same token ids, the same split of a data row; or, with
+  ``teacher.tokenizer=own`` (cross-tokenizer OPD, ``opdkit.xtok``), the pair's alignment instead:
+  the share of one-to-one spans on a sample of rows, the vocabulary map of rkl / fkl, each model's
+  rows against its own tokenizer;
 - embedding rows: at least the tokenizer's ids in each model (rows past them are padding,
   excluded from sampling and scoring: ``use_shared_vocab``);
 - special tokens: the ids the engines stop at (``engines.base.pad_and_eos``) agree between the
@@ -23,6 +28,7 @@ and run the models are ``opdkit.doctor``'s.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -83,6 +89,8 @@ class Inputs:
     teacher_tokenizer: object = None
     warnings: list[Finding] = field(default_factory=list)
     teacher_paths: dict[str, Path] = field(default_factory=dict)  # "teacher model" (or "teacher NAME model") -> dir
+    xtok: object = None  # teacher.tokenizer=own: the tokenizer pair (opdkit.xtok.Pair)
+    offline: object = None  # rollout.source=offline: the pool the run reads (opdkit.offline.Pool)
 
 
 # fixes for the errors raised by the loaders (a PairError carries its own)
@@ -140,25 +148,36 @@ def check_inputs(cfg: Config, strict: bool) -> tuple[Inputs | None, list[Finding
     s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")  # before the data: the length filters count its tokens
     examples = c.run("data", training_data, cfg, train_path, s_tok)
     t_toks = {role: c.run(f"{role} tokenizer", tokenizer_of, d, f"{role} model") for role, d in t_dirs.items()}
+    own = cfg.teacher.tokenizer == "own" and with_teacher  # cross-tokenizer: the teacher keeps its own tokenizer
+    pair = None
     for role in t_dirs or [None]:  # each teacher against the student (one teacher: the checks' plain names)
         t_dir, t_tok = t_dirs.get(role), t_toks.get(role)
         name = "" if role in (None, "teacher") else f" ({role})"
         c.run("chat template" + name, chat_template, cfg, s_dir, t_dir, s_tok, t_tok, examples)
-        if role is not None:
+        if role in (None, next(iter(t_dirs), None)):  # once: the student's template renders every side's prompts
+            c.run("thinking", thinking_state, cfg, s_tok)
+        if role is not None and own:
+            pair = c.run("vocabulary" + name, cross_tokenizer, cfg, s_tok, t_tok, s_dir, t_dir, examples)
+        elif role is not None:
             c.run("vocabulary" + name, vocabulary, s_tok, t_tok, s_dir, t_dir, examples)
         c.run("special tokens" + name, special_tokens, cfg, s_tok, t_tok,
               {"student": s_dir, **({"teacher": t_dir} if role is not None else {})})
     dirs = {"student": s_dir, **t_dirs}
-    c.run("embedding rows", embedding_rows, s_tok, dirs)
+    if own:  # each model's rows against its own tokenizer
+        c.run("embedding rows", embedding_rows, s_tok, {"student": s_dir})
+        for role, t_dir in t_dirs.items():
+            c.run(f"embedding rows ({role})", embedding_rows, t_toks[role], {role: t_dir}, f"embedding rows ({role})")
+    else:
+        c.run("embedding rows", embedding_rows, s_tok, dirs)
     if src == "vllm":
-        c.run("embedding rows (vllm)", vllm_rows, s_tok, t_dirs)
+        c.run("embedding rows (vllm)", vllm_rows, t_toks[next(iter(t_dirs))] if own else s_tok, t_dirs)
     for role, d in dirs.items():
         c.run(f"generation config ({role})", generation_config, cfg, d, role)
     if c.failed:
         return None, c.findings
     first = next(iter(t_dirs.values()), None)
     inputs = Inputs(s_dir, first, train_path, examples, fingerprint(examples), s_tok, t_toks.get(next(iter(t_dirs), None)),
-                    [f for f in c.findings if f.status == WARN], {f"{role} model": d for role, d in t_dirs.items()})
+                    [f for f in c.findings if f.status == WARN], {f"{role} model": d for role, d in t_dirs.items()}, pair)
     return inputs, c.findings
 
 
@@ -240,6 +259,10 @@ def chat_template(cfg: Config, s_dir, t_dir, s_tok, t_tok, examples: list[Exampl
             out.append(Finding("chat template", OK, "not used: plain-text prompts, data.chat_template=false"))
         return None, out
     check_chat_template(s_tok, s_dir, "student model")
+    if t_tok is not None and cfg.teacher.tokenizer == "own":
+        check_chat_template(t_tok, t_dir, "teacher model")
+        return None, [Finding("chat template", OK, "data.chat_template=true, teacher.tokenizer=own: each model's own "
+                              "template renders its prompt of the row")]
     detail = "data.chat_template=true: the student's template renders every prompt (the teacher sees the same tokens)"
     if t_tok is not None and getattr(t_tok, "chat_template", None) != s_tok.chat_template:
         out.append(Finding("chat template", WARN, f"the teacher's chat template ({t_dir}) differs from the student's "
@@ -249,6 +272,57 @@ def chat_template(cfg: Config, s_dir, t_dir, s_tok, t_tok, examples: list[Exampl
     else:
         out.append(Finding("chat template", OK, detail + ("; the teacher's is the same" if t_tok is not None else "")))
     return None, out
+
+
+THINKING_PROBE = [{"role": "user", "content": "What is 1+1?"}]
+
+
+def template_reads_thinking(tok) -> bool | None:
+    """Whether the tokenizer's chat template renders differently with enable_thinking true and false
+    (Qwen3's does; Qwen2.5's and DeepSeek-R1-Distill-Qwen's do not); None where it cannot render."""
+    try:
+        on, off = (tok.apply_chat_template(THINKING_PROBE, add_generation_prompt=True, tokenize=False,
+                                           enable_thinking=v) for v in (True, False))
+    except (jinja2.TemplateError, ValueError, TypeError):
+        return None
+    return on != off
+
+
+def thinking_state(cfg: Config, s_tok):
+    """The thinking state of each side's prompts (``data.enable_thinking`` / ``teacher_enable_thinking``,
+    passed to the student's chat template, which renders every prompt); a teacher model scores the
+    student's prompt tokens, so a teacher setting of its own is refused there."""
+    d = cfg.data
+    privileged = cfg.teacher.source.startswith("privileged")
+    state = {True: "on", False: "off"}
+    if not privileged and d.teacher_enable_thinking != d.enable_thinking:
+        raise PairError(f"data.teacher_enable_thinking={str(d.teacher_enable_thinking).lower()} differs from "
+                        f"data.enable_thinking={str(d.enable_thinking).lower()}, but teacher.source={cfg.teacher.source} "
+                        "scores the student's prompt tokens (one rendering for both)",
+                        f"set data.teacher_enable_thinking={str(d.enable_thinking).lower()} (it applies to a privileged "
+                        "teacher's own prompt)")
+    if not d.chat_template:
+        off = [k for k in ("enable_thinking", "teacher_enable_thinking") if not getattr(d, k)]
+        if off:
+            return None, [Finding("thinking", WARN, f"data.{off[0]}=false has no effect: data.chat_template=false (no "
+                                  "template to pass it to)", "-S data.chat_template=true, or leave it true")]
+        return None, [Finding("thinking", OK, "not used: no chat template (data.chat_template=false)")]
+    reads = template_reads_thinking(s_tok)
+    teacher = (f"the privileged teacher's prompt {state[d.teacher_enable_thinking]} (data.teacher_enable_thinking)"
+               if privileged else "the teacher scores the student's prompt tokens")
+    if reads is None:
+        return None, [Finding("thinking", WARN, "the chat template could not render a one-message probe with "
+                              "enable_thinking, so its thinking state is unknown", "check the template")]
+    if not reads:
+        detail = ("the chat template does not read enable_thinking (as Qwen2.5's and DeepSeek-R1-Distill-Qwen's): the "
+                  "prompts are the same either way")
+        if not (d.enable_thinking and d.teacher_enable_thinking):
+            return None, [Finding("thinking", WARN, detail + "; data.*enable_thinking=false changes nothing here",
+                                  "fine for such a model; a Qwen3-style model would read it")]
+        return None, [Finding("thinking", OK, detail)]
+    return None, [Finding("thinking", OK, f"the chat template reads enable_thinking: the student's prompts "
+                          f"{state[d.enable_thinking]} (data.enable_thinking; off: the answer opens with the template's "
+                          f"empty thinking block), {teacher}")]
 
 
 def check_same_vocab(student_tok, teacher_tok, student_dir: str | Path = "", teacher_dir: str | Path = "") -> None:
@@ -265,7 +339,8 @@ def check_same_vocab(student_tok, teacher_tok, student_dir: str | Path = "", tea
                 f"teacher and student tokenizers disagree{where}: token id {i} is {by_id_s.get(i)!r} for the student "
                 f"and {by_id_t.get(i)!r} for the teacher (sizes {len(sv)} vs {len(tv)})",
                 "OPD needs one vocabulary: use a teacher of the student's tokenizer family (embedding rows past the "
-                "tokenizer's ids may differ, the ids themselves may not)")
+                "tokenizer's ids may differ, the ids themselves may not), or -S teacher.tokenizer=own (cross-tokenizer "
+                "OPD: the teacher scores the text in its own tokens)")
 
 
 def check_same_tokenization(student_tok, teacher_tok, ex: Example) -> None:
@@ -279,7 +354,7 @@ def check_same_tokenization(student_tok, teacher_tok, ex: Example) -> None:
             f"teacher and student tokenizers split the same text differently ({type(student_tok).__name__} vs "
             f"{type(teacher_tok).__name__}); first difference at token {i} of {probe[:60]!r}",
             "OPD needs identical tokenization: load both with the same tokenizer class (tokenizer_config.json's "
-            "tokenizer_class)")
+            "tokenizer_class), or -S teacher.tokenizer=own (cross-tokenizer OPD)")
 
 
 def vocabulary(s_tok, t_tok, s_dir, t_dir, examples: list[Example]):
@@ -287,6 +362,50 @@ def vocabulary(s_tok, t_tok, s_dir, t_dir, examples: list[Example]):
     check_same_tokenization(s_tok, t_tok, examples[0])
     return None, [Finding("vocabulary", OK, f"the same {tokenizer_ids(s_tok):,} token ids in both tokenizers; "
                           "they split a data row the same way")]
+
+
+def xtok_end_id(cfg: Config, t_tok, t_eos: list[int]) -> int:
+    """teacher.tokenizer=own: the teacher id that ends an answer: its chat template's turn end where
+    prompts are rendered with it, else its first stop id."""
+    end = turn_end_id(t_tok) if cfg.data.chat_template and getattr(t_tok, "chat_template", None) else None
+    return end if end is not None else t_eos[0]
+
+
+def cross_tokenizer(cfg: Config, s_tok, t_tok, s_dir, t_dir, examples: list[Example]):
+    """teacher.tokenizer=own: the tokenizer pair (``opdkit.xtok.Pair``) and how its tokenizations of
+    the data align: on the first ``doctor.xtok_rows`` rows' reference solutions (else their problems),
+    the share of spans that are one-to-one; with rkl / fkl, the vocabulary map's coverage."""
+    from opdkit import xtok, xtok_loss
+
+    _, s_eos = stop_ids(s_dir, s_tok)
+    _, t_eos = stop_ids(t_dir, t_tok)
+    try:
+        pair = xtok.make_pair(s_tok, t_tok, s_eos, t_eos, xtok_end_id(cfg, t_tok, t_eos))
+    except ValueError as e:
+        raise PairError(f"teacher model directory {t_dir}: {e}", "save both tokenizers as tokenizer.json") from None
+    rows = examples[: cfg.doctor.xtok_rows]
+    what = "reference solutions" if all(ex.solution for ex in rows) else "problems"
+    texts = [ex.solution if what == "reference solutions" else ex.problem_text for ex in rows]
+    al = xtok.align_rows(pair, [ids + [s_eos[0]] for ids in s_tok(texts, add_special_tokens=False).input_ids])
+    n_spans = sum(a.n_spans for a in al)
+    counts = [(Counter(a.s_span), Counter(a.t_span)) for a in al]
+    one = sum(sum(n == 1 and t_n[j] == 1 for j, n in s_n.items()) for s_n, t_n in counts)
+    n_s, n_t, respelled = sum(len(a.s_span) for a in al), sum(len(a.t_span) for a in al), sum(a.respelled for a in al)
+    detail = (f"cross-tokenizer pair (teacher.tokenizer=own): student {len(pair.s_bytes):,} ids, teacher "
+              f"{len(pair.t_bytes):,}; on {len(rows)} rows' {what} (+ EOS), {one / max(n_spans, 1):.1%} of {n_spans:,} "
+              f"spans align one-to-one ({n_s / max(n_spans, 1):.2f} student and {n_t / max(n_spans, 1):.2f} teacher "
+              f"tokens per span), {respelled} rows respelled by the teacher's tokenizer")
+    if loss_table.spec(cfg.loss.name).teacher == "full":
+        proj = xtok_loss.make_projection(pair, cfg.teacher.vocab_map)
+        detail += (f"; vocabulary map ({cfg.teacher.vocab_map}): {proj.mapped_frac:.1%} of the teacher's ids map to a "
+                   f"student id ({proj.exact_frac:.1%} by identical bytes), the rest to the tail bucket")
+    if s_tok.get_vocab() == t_tok.get_vocab():
+        detail += "; the two vocabularies are the same (teacher.tokenizer=shared scores the same ids without re-tokenizing)"
+    if respelled:
+        return pair, [Finding("vocabulary", WARN, detail + ": its tokens do not spell the text it encoded (it normalises "
+                              "text), so each such row is aligned as one span", "a teacher tokenizer without a "
+                              "normaliser gives a finer signal; the rows still train")]
+    return pair, [Finding("vocabulary", OK, detail)]
 
 
 def check_vocab_rows(tok, rows: dict[str, int], path: str | Path, what: str = "model") -> int:
@@ -302,14 +421,14 @@ def check_vocab_rows(tok, rows: dict[str, int], path: str | Path, what: str = "m
     return rows["output"]
 
 
-def embedding_rows(tok, dirs: dict[str, Path]):
+def embedding_rows(tok, dirs: dict[str, Path], check: str = "embedding rows"):
     n = tokenizer_ids(tok)
     rows = {role: check_vocab_rows(tok, config_rows(d), d, f"{role} model") for role, d in dirs.items()}
     sizes = ", ".join(f"{role} {r:,}" for role, r in rows.items())
     if all(r == n for r in rows.values()):
-        return None, [Finding("embedding rows", OK, f"{sizes} rows = the tokenizer's {n:,} ids (no padding rows)")]
+        return None, [Finding(check, OK, f"{sizes} rows = the tokenizer's {n:,} ids (no padding rows)")]
     pads = ", ".join(f"{role} {r - n:,}" for role, r in rows.items())
-    return None, [Finding("embedding rows", OK, f"{sizes} rows for the tokenizer's {n:,} ids: padding rows {pads}, "
+    return None, [Finding(check, OK, f"{sizes} rows for the tokenizer's {n:,} ids: padding rows {pads}, "
                           "never sampled, excluded from scoring (log-probs renormalised over the shared ids)")]
 
 
@@ -379,7 +498,12 @@ def special_tokens(cfg: Config, s_tok, t_tok, dirs: dict[str, Path]):
     pad, s_eos = stop_ids(dirs["student"], s_tok)
     detail = (f"the student stops at {_names(s_tok, s_eos)}; pad {_names(s_tok, [pad])}"
               f"{' (= an EOS: masks, not the pad id, mark the ends)' if pad in s_eos else ''}")
-    if "teacher" in dirs:
+    if "teacher" in dirs and cfg.teacher.tokenizer == "own":
+        _, t_eos = stop_ids(dirs["teacher"], t_tok)
+        end = xtok_end_id(cfg, t_tok, t_eos)
+        detail += (f"; teacher.tokenizer=own: an answer's end is scored as the teacher's {_names(t_tok, [end])} (its "
+                   f"stop ids {_names(t_tok, t_eos)})")
+    elif "teacher" in dirs:
         _, t_eos = stop_ids(dirs["teacher"], t_tok)
         if not set(s_eos) & set(t_eos):
             out.append(Finding("special tokens", WARN, f"the student stops at {_names(s_tok, s_eos)} but the teacher's "

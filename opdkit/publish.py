@@ -40,7 +40,7 @@ from opdkit.checkpoints import (
     WEIGHTS_INDEX,
     ModelSpec,
     NonFiniteTensor,
-    all_finite,
+    nonfinite_names,
     file_record,
     is_valid_checkpoint,
     list_checkpoints,
@@ -134,7 +134,8 @@ def export_checkpoint(
     finally:
         with _in_progress_lock:
             _in_progress.difference_update(names)
-    log(f"published {final} ({size_bytes / 2**20:.1f} MiB in {time.monotonic() - t0:.1f}s)")
+    dt = time.monotonic() - t0
+    log(f"published {final} ({size_bytes / 2**20:.1f} MiB in {dt:.1f}s, {size_bytes / 1e9 / max(dt, 1e-9):.2f} GB/s)")
     try:
         retry_io(lambda: _apply_retention(root, keep, step, log), retries=retries, backoff_s=backoff_s,
                  what=f"pruning old checkpoints in {root}", log=log)  # fmt: skip
@@ -161,10 +162,12 @@ def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec, dtype
             del tensors[target]
     for name, t in tensors.items():
         if t.is_floating_point() and dtype is not None and t.dtype != dtype:
-            t = tensors[name] = t.to(dtype)
-        if t.is_floating_point() and not all_finite(t):
-            raise NonFiniteTensor(name, f"tensor {name} has NaN or infinite values (in {t.dtype}); "
-                                  "it is not published")
+            tensors[name] = t.to(dtype)
+    bad = nonfinite_names(tensors)
+    if bad:
+        name = bad[0]
+        raise NonFiniteTensor(name, f"tensor {name} has NaN or infinite values (in {tensors[name].dtype}); "
+                              "it is not published")
     return tensors
 
 
@@ -183,8 +186,9 @@ def _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation
     if not getattr(config, "architectures", None):
         config.architectures = [spec.architecture]  # vLLM and others dispatch on it
     config.save_pretrained(tmp)
-    for file, tensors in shards.items():
-        _write_safetensors(tmp / file, tensors)
+    records = {}
+    for file, tensors in shards.items():  # the writer hashes while it writes: no second read of the weights
+        records[file] = _write_safetensors(tmp / file, tensors) or file_record(tmp / file)
     if list(shards) != [WEIGHTS]:
         write_index(tmp / WEIGHTS_INDEX, shards)
     tokenizer.save_pretrained(tmp)
@@ -193,7 +197,7 @@ def _write_checkpoint_dir(tmp, step, shards, model_config, tokenizer, generation
 
         generation_config = GenerationConfig.from_model_config(model_config)
     generation_config.save_pretrained(tmp)
-    files = {p.name: file_record(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {p.name: records.get(p.name) or file_record(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest = {**meta, "step": step, "format": FORMAT, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     fsync_tree(tmp)
@@ -293,6 +297,33 @@ def _pid_alive(pid: int) -> bool:
 # --- background publishing --------------------------------------------------------------------
 
 
+class Snapshot:
+    """The export's host copy of the weights (``copy(name, tensor)``, for ``engines.weights.export_state_dict``):
+    a GPU tensor is copied into pinned host memory kept from one export to the next (the copies are
+    queued at the bus's speed; ``done`` waits for them), a CPU tensor into a new tensor. Reusing the
+    memory is safe because the caller snapshots only once the previous export has finished
+    (``Publisher.wait``)."""
+
+    def __init__(self):
+        self.arena: dict[str, torch.Tensor] = {}
+        self.queued = False
+
+    def copy(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.detach().to("cpu", copy=True)
+        buf = self.arena.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.arena[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t.detach(), non_blocking=True)
+        self.queued = True
+        return buf
+
+    def done(self) -> None:
+        if self.queued:
+            torch.cuda.synchronize()
+            self.queued = False
+
+
 class Publisher:
     """Exports checkpoints on one background thread (``background=False``: inline).
 
@@ -319,14 +350,17 @@ class Publisher:
         self.max_shard_size = max_shard_size
         self.background, self.log = background, log
         self.published: list[int] = []  # steps, in publishing order
+        self.timings: list[dict] = []  # per finished export: step, seconds (from ``started_at``), bytes
+        self.snapshot = Snapshot()
         self._thread: threading.Thread | None = None
         self._pending_step: int | None = None
         self._failure: tuple[str, BaseException] | None = None
         self._closed = False
 
     def submit(self, step: int, *, state_dict, model_config, tokenizer, generation_config, meta: dict,
-               dtype: torch.dtype | None = None) -> None:
-        """Start publishing ``checkpoint-<step>``; first waits for (and checks) the previous one."""
+               dtype: torch.dtype | None = None, started_at: float | None = None) -> None:
+        """Start publishing ``checkpoint-<step>``; first waits for (and checks) the previous one.
+        ``started_at``: the ``time.monotonic()`` the export began (its snapshot), for ``timings``."""
         if self._closed:
             raise RuntimeError("Publisher.submit() after close()")
         if self.busy:
@@ -342,18 +376,24 @@ class Publisher:
             meta=copy.deepcopy(meta),
             dtype=dtype,
         )
+        started_at = time.monotonic() if started_at is None else started_at
         if not self.background:
-            self._run(step, kwargs)
+            self._run(step, kwargs, started_at)
             self.check()
             return
         self._pending_step = step
-        self._thread = threading.Thread(target=self._run, args=(step, kwargs), name=f"opdkit-publish-{step}")
+        self._thread = threading.Thread(target=self._run, args=(step, kwargs, started_at), name=f"opdkit-publish-{step}")
         self._thread.start()
 
-    def _run(self, step: int, kwargs: dict) -> None:
+    def _run(self, step: int, kwargs: dict, started_at: float) -> None:
         try:
-            export_checkpoint(self.root, step, keep=self.keep, retries=self.retries, backoff_s=self.backoff_s,
-                              max_shard_size=self.max_shard_size, log=self.log, **kwargs)  # fmt: skip
+            final = export_checkpoint(self.root, step, keep=self.keep, retries=self.retries, backoff_s=self.backoff_s,
+                                      max_shard_size=self.max_shard_size, log=self.log, **kwargs)  # fmt: skip
+            try:
+                nbytes = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+            except OSError:  # published all the same; only the record of its size is lost
+                nbytes = 0
+            self.timings.append({"step": step, "seconds": time.monotonic() - started_at, "bytes": nbytes})
         except BaseException as exc:  # stored and re-raised on the caller's thread, never lost
             notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
             what = str(exc) if isinstance(exc, (OSError, NonFiniteTensor)) else repr(exc)

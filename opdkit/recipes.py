@@ -114,9 +114,8 @@ def _selection(**keys: str) -> tuple[str, ...]:
 # variable -> {value: the params overrides it means}; the first value is the released behaviour (what
 # recipes/opsd_released.yaml holds, so an unset variable changes nothing there)
 OPSD_SWITCHES: dict[str, dict[str, tuple[str, ...]]] = {
-    # right: the released collator's [prompt][pads][completion] (the first-batch check refuses it, so it is off)
-    "OPSD_PAD_SIDE": {"right": ("data.pad_side=right", "runtime.alignment_check=false"),
-                      "left": ("data.pad_side=left", "runtime.alignment_check=true")},
+    # right: the released collator's [prompt][pads][completion] (the alignment check keeps its span part there)
+    "OPSD_PAD_SIDE": {"right": ("data.pad_side=right",), "left": ("data.pad_side=left",)},
     # paper: the released collator's student message; eval: byte-identical to the benchmark's prompt
     "OPSD_STUDENT_PROMPT": {"paper": ("data.prompt_format=opsd_student",), "eval": ("data.prompt_format=opsd_eval",)},
     "OPSD_TEACHER_CONTEXT": {v: (f"data.teacher_context={v}",) for v in ("solution", "cot", "both")},

@@ -15,9 +15,9 @@ Training seconds: an eval of a checkpoint that ``opdkit train`` published (its `
 measured on the machine that ran it; each group has their mean (``train_s``) and, against the
 baseline, ``train_s_ratio``. An arm matched to the baseline by wall clock (``match: wall``) whose
 ratio is off by more than ``WALL_MATCH_TOL`` is listed in ``wall_mismatch`` (its step budget was
-calibrated elsewhere or under other load: recalibrate on this machine, README).
+calibrated elsewhere or under other load: recalibrate on this machine, docs/calibration.md).
 
-An eval JSON is the ``opdkit eval`` output (DESIGN.md): ``accuracy``, ``stderr`` and the tags
+An eval JSON is the ``opdkit eval`` output (docs/design.md, "Metrics"): ``accuracy``, ``stderr`` and the tags
 given with ``--tag`` (the pipeline tags ``arm=<arm>``, ``seed=<n>``, ``step=<checkpoint step>`` and
 ``match=steps|wall``). The per-sample records sit beside it with the suffix ``.jsonl``.
 
@@ -72,6 +72,7 @@ def pipeline_arms(cfg: Config) -> list[Arm]:
                 "baseline" if name == cfg.pipeline.baseline_arm else "steps") for name in opd]
     arms += [Arm(c.name, ("loss.name=sft", f"loss.sft_source={c.sft_source}", "teacher.source=model",
                           "data.pad_side=left", "loss.reward_weight=0",  # supervised: no reward (opdkit.rewards)
+                          "rollout.source=live",  # its own samples (teacher's, references'), not an offline pool
                           f"budget.max_steps={c.steps}", f"publish.every_steps={c.every_steps}"), c.steps, c.match)
              for c in cfg.pipeline.controls]
     names = [a.name for a in arms]
@@ -246,7 +247,7 @@ def _wall_mismatch(groups: dict, baseline: str | None) -> dict:
             out[name] = (f"{name} is matched to {baseline} by wall clock but trained {g['train_s']:.0f} s against "
                          f"{base_s:.0f} s (x{g['train_s_ratio']:.2f}, more than {WALL_MATCH_TOL:.0%} off) on the "
                          "machine that ran them: recalibrate its steps there (python -m opdkit.stages.calibrate, "
-                         "README) or compare it at matched steps")
+                         "docs/calibration.md) or compare it at matched steps")
     return out
 
 
@@ -278,7 +279,7 @@ def format_report(result: dict) -> str:
 
 
 def learning_curves(curve_files: list[str | Path], before: str | Path | None = None) -> dict:
-    """Per arm, the learning curve averaged over seeds, from ``opdkit.stages.eval_run``'s
+    """Per arm, the learning curve averaged over seeds, from ``opdkit.stages.eval_checkpoints``'s
     ``curve.json`` files (one per run, tagged ``arm`` and ``seed``).
 
     Returns ``{arm: [point, ...]}`` sorted by step; a point has ``step``, ``mean`` and ``se``
@@ -291,7 +292,8 @@ def learning_curves(curve_files: list[str | Path], before: str | Path | None = N
     for f in map(Path, curve_files):
         c = json.loads(f.read_text())
         if "arm" not in c or "points" not in c:
-            raise ValueError(f"learning_curves: {f} is not a curve.json of opdkit.stages.eval_run (needs arm, points)")
+            raise ValueError(f"learning_curves: {f} is not a curve.json of opdkit.stages.eval_checkpoints "
+                             "(needs arm, points)")
         for p in c["points"]:
             by_arm.setdefault(c["arm"], {}).setdefault(p["step"], []).append(p)
     start = json.loads(Path(before).read_text()) if before is not None else None

@@ -31,6 +31,13 @@ P G / n is one over the mean completion length: per token, λ ∇E[r] spread ove
 (tests/test_rewards.py checks both identities by exact enumeration over every joint draw of the G
 samples of a tiny policy). ``reward_norm: std`` rescales each group and has no such identity.
 
+That identity holds for a fixed token count n. With completions that stop at EOS, n (the step's real
+token count) varies with the samples and correlates with them: the expected gradient then differs
+from λ c (P G / E[n]) ∇E[r] by ``biases.VARIABLE_COUNT_BIAS`` (measured for one prompt at G = 2, 3,
+4; less as a step has more rows). Under ``rollout.overlap: 1`` the
+term's per-token PPO ratio does not correct for the stale prefix nor for the sequence-level reward
+(``biases.REWARD_OVERLAP_BIAS``): the combination is refused (``check_params``).
+
 The sft control trains on teacher samples or reference solutions, not the student's, so a policy
 gradient there would be off-policy: refused (``check_params``).
 """
@@ -39,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from opdkit import grading, loss_table
+from opdkit import biases, grading, loss_table
 from opdkit.data import Example
 
 STD_EPS = 1e-6  # reward_norm: std adds it to each group's standard deviation (verl's GRPO epsilon)
@@ -60,6 +67,11 @@ def check_params(cfg) -> str | None:
     if G < 2:
         return (f"loss.reward_weight={L.reward_weight:g} needs rollout.samples_per_prompt >= 2: the reward is centred by "
                 f"the prompt's group of samples, and a group of {G} has no baseline")
+    if cfg.rollout.overlap:
+        return (f"loss.reward_weight={L.reward_weight:g} with rollout.overlap=1: the reward term's per-token PPO ratio "
+                "corrects neither the stale prefix nor the sequence-level reward (its expected gradient is "
+                f"{biases.pct(biases.REWARD_OVERLAP_BIAS[True, 0.15])} off at a logit shift of sd 0.15, "
+                f"{biases.pct(biases.REWARD_OVERLAP_BIAS[True, 0.5])} at 0.5: docs/fidelity.md); set rollout.overlap=0")
     return None
 
 

@@ -1,5 +1,12 @@
 """The output directory of a run (its layout: ``opdkit.train``): whether a start may resume the run
-it holds, train.jsonl's rows (and dropping those a killed attempt left), run.json's record of the end."""
+it holds, train.jsonl's rows (and dropping those a killed attempt left), run.json's record of the end.
+
+A run is identified by the ``run_id`` that run.json carries from start to start and that every
+checkpoint's ``opdkit.json`` and trainer state records. A directory whose checkpoints are newer than
+its newest trainer state (``publish.state_every_steps`` apart from the export cadence, or a run
+killed between the two saves) resumes from that state (or from the beginning when there is none)
+and replays the steps since, if those checkpoints are this run's; checkpoints of another run
+without their state are refused."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import json
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +43,8 @@ class TrainResult:
     step: int
     elapsed_s: float
     checkpoints: list[str]
+    # the newest valid checkpoint: checkpoint-<step>, or a newer one of a start that this one replayed behind
+    final_checkpoint: str | None = None
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -66,6 +76,25 @@ def check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> None
                        "(fingerprints differ); resume it with the same data or choose another output directory")
 
 
+def newest_checkpoint(out: Path) -> tuple[int, dict] | None:
+    """(step, opdkit.json) of the newest valid checkpoint in ``out/checkpoints``, or None."""
+    for c in reversed(list_checkpoints(out / "checkpoints")):
+        if is_valid_checkpoint(c, full=False)[0]:
+            try:
+                return int(c.name.split("-")[1]), json.loads((c / "opdkit.json").read_text())
+            except (OSError, ValueError):
+                return int(c.name.split("-")[1]), {}
+    return None
+
+
+def run_id(out: Path) -> str | None:
+    """The ``run_id`` run.json holds (None: no run.json, or one without it)."""
+    try:
+        return json.loads((out / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
     if out.exists() and not out.is_dir():
@@ -73,6 +102,14 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     state = trainer_state.peek(out, cfg.runtime.state_dir)
     if state is not None:
         check_resumable(cfg, inputs, state, out)
+        return
+    newest = newest_checkpoint(out)
+    if newest is not None and newest[1].get("run_id") and newest[1].get("run_id") == run_id(out):
+        # this run's checkpoints, its state never saved (publish.state_every_steps=0, or killed before the first):
+        # it starts again from the beginning and replays the steps they hold
+        meta = newest[1]
+        check_resumable(cfg, inputs, {"config": meta.get("params", {}), "step": newest[0],
+                                      "data_fingerprint": meta.get("data_fingerprint")}, out)
     elif list_checkpoints(out / "checkpoints"):
         names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
         raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume "
@@ -106,17 +143,19 @@ def is_published(out: Path, step: int) -> bool:
 
 
 def finish(out: Path, reason: str, step: int, elapsed: float, log, world: distributed.World,
-            experiment_name: str, tracked: dict | None = None) -> TrainResult:
+           experiment_name: str, tracked: dict | None = None, record: dict | None = None) -> TrainResult:
+    """run.json's record of the end (``record``: more of it, e.g. the stop rule's reserve and the saves)."""
     status = "stopped" if reason.startswith("SIG") else "completed"
-    result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")])
+    newest = newest_checkpoint(out) if world.is_main else None
+    result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")],
+                         f"checkpoint-{newest[0]}" if newest else None)
     if not world.is_main:
         return result
-    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name,
-                                       **({"tracking": tracked} if tracked else {})})
+    atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name, "run_id": run_id(out),
+                                       **(record or {}), **({"tracking": tracked} if tracked else {})})
     log(f"training {'stopped by ' if status == 'stopped' else 'ended '}({reason}) at step {step} after {elapsed:.1f}s; "
         f"{surviving_checkpoints_message(out / 'checkpoints')}")
     return result
-
 
 
 @dataclass
@@ -128,6 +167,8 @@ class Start:
     data_pos: int
     elapsed0: float
     done: TrainResult | None = None
+    run_id: str | None = None
+    ahead: int | None = None  # the newest checkpoint's step when it is newer than ``step`` (replayed, not exported)
 
 
 def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World) -> Start:
@@ -143,20 +184,29 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
         raise RunError(f"the ranks see different trainer states in {trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several "
                        "nodes the output directory must be one shared directory")
     lost_elapsed = trim_metrics(out, step) if world.is_main else 0.0
-    elapsed0 = world.from_main(max(state["elapsed_s"], lost_elapsed) if state else 0.0)
+    newest = newest_checkpoint(out) if world.is_main else None
+    spent = max(state["elapsed_s"] if state else 0.0, lost_elapsed, (newest[1].get("elapsed_s") or 0.0) if newest else 0.0)
+    rid = (run_id(out) or (state or {}).get("run_id") or uuid.uuid4().hex) if world.is_main else None
+    elapsed0, ahead, rid = world.from_main((spent, newest[0] if newest and newest[0] > step else None, rid))
     if world.is_main:
         atomic_write_text(out / "config.yaml", dump_yaml(cfg))
-        atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size})
+        atomic_write_json(out / RUN_FILE, {"status": "running", "pid": os.getpid(), "step": step, "ranks": world.size,
+                                           "run_id": rid})
     log("resolved config:\n" + dump_yaml(cfg))
-    start = Start(state, step, data_pos, elapsed0)
-    if state is not None:
-        log(f"resuming from {state['path']}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
-            + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
-               if lost_elapsed > state["elapsed_s"] else ""))
+    start = Start(state, step, data_pos, elapsed0, run_id=rid, ahead=ahead)
+    if ahead is not None:
+        log(f"checkpoint-{ahead} is newer than the trainer state this start resumes from (step {step}): steps "
+            f"{step + 1}..{ahead} are trained again and not exported (their checkpoints are there)")
+    if state is not None or ahead is not None:
+        if state is not None:
+            log(f"resuming from {state['path']}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
+                + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
+                   if lost_elapsed > state["elapsed_s"] else ""))
         reason = should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
-        reason, done = world.from_main((reason, bool(reason) and is_published(out, step)))
+        reason, done = world.from_main((reason, bool(reason) and state is not None
+                                        and (ahead is not None or is_published(out, step))))
         if done:
-            log(f"this run already reached its end ({reason}) and checkpoint-{step} is published: nothing to do")
+            log(f"this run already reached its end ({reason}) and checkpoint-{ahead or step} is published: nothing to do")
             start.done = finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world, cfg.experiment_name)
     return start
 

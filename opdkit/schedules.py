@@ -5,7 +5,7 @@
 - ``cosine``: half-cosine from lr at step 0 to min_lr at step >= total_steps.
 - ``wallclock_cosine``: the same half-cosine over wall time, from the run's first step to when
   the training loop stops (``wallclock_clock``, ``wallclock_horizon_s``: the budget less the
-  reserve and one step), so the last step runs at min_lr up to one step's worth.
+  reserve, the final saves and one step), so the last step runs at min_lr up to one step's worth.
 
 ``lr_at`` dispatches by name and multiplies by the linear warmup factor
 ``min(1, (step + 1) / warmup_steps)``; the decay runs from step 0 (it does not wait for warmup).
@@ -57,22 +57,23 @@ def cosine(step: int, total_steps: int, lr: float, min_lr: float) -> float:
     return _cosine_at(step / total_steps, lr, min_lr)
 
 
-def wallclock_horizon_s(max_wall_time_s: float, deadline_reserve_s: float, step_s: float) -> float:
+def wallclock_horizon_s(max_wall_time_s: float, deadline_reserve_s: float, step_s: float, save_s: float = 0.0) -> float:
     """Elapsed seconds at which the wall-clock cosine should reach min_lr: when the loop stops.
 
-    The loop (``opdkit.train``) starts no step that would end within ``deadline_reserve_s`` of
-    ``max_wall_time_s``, with ``step_s`` (the last step's duration) as the estimate of the next:
-    so no step starts after ``max - reserve - step_s``. ``elapsed`` and this horizon both count
-    start-up (loading models and data), as the wall budget does. 0 without a wall budget; a
-    horizon already passed is clamped to 1e-9 s (min_lr).
+    The loop (``opdkit.train``) starts no step that would end, with the final saves after it
+    (``save_s``: ``opdkit.deadline``), within ``deadline_reserve_s`` of ``max_wall_time_s``, with
+    ``step_s`` (the last step's duration) as the estimate of the next: so no step starts after
+    ``max - reserve - save_s - step_s``. ``elapsed`` and this horizon both count start-up (loading
+    models and data), as the wall budget does. 0 without a wall budget; a horizon already passed is
+    clamped to 1e-9 s (min_lr).
     """
     if max_wall_time_s <= 0:
         return 0.0
-    return max(max_wall_time_s - deadline_reserve_s - step_s, 1e-9)
+    return max(max_wall_time_s - deadline_reserve_s - save_s - step_s, 1e-9)
 
 
 def wallclock_clock(elapsed_s: float, start_s: float, max_wall_time_s: float, deadline_reserve_s: float,
-                    step_s: float) -> tuple[float, float]:
+                    step_s: float, save_s: float = 0.0) -> tuple[float, float]:
     """(seconds into the wall-clock schedule, its length) for ``wallclock_cosine``.
 
     The schedule starts at ``start_s``, the elapsed time of the run's first step (start-up, which
@@ -81,7 +82,7 @@ def wallclock_clock(elapsed_s: float, start_s: float, max_wall_time_s: float, de
     """
     if max_wall_time_s <= 0:
         return 0.0, 0.0
-    end_s = wallclock_horizon_s(max_wall_time_s, deadline_reserve_s, step_s)
+    end_s = wallclock_horizon_s(max_wall_time_s, deadline_reserve_s, step_s, save_s)
     return max(elapsed_s - start_s, 0.0), max(end_s - start_s, 1e-9)
 
 
@@ -130,12 +131,13 @@ def lr_at(
     return base * warmup_factor(step, warmup_steps)
 
 
-def should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float) -> str | None:
-    """Why the loop stops before step ``step + 1`` (the step horizon, or the wall budget: the next
-    step would end past it, less budget.deadline_reserve_s), else None."""
+def should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float, save_s: float = 0.0) -> str | None:
+    """Why the loop stops before step ``step + 1``: the step horizon, or the wall budget (the next
+    step, as long as the last one, then the final saves, ``save_s``, would end within
+    budget.deadline_reserve_s of it); else None."""
     b = cfg.budget
     if b.max_steps and step >= b.max_steps:
         return "step_horizon"
-    if b.max_wall_time_s and elapsed + last_step_s + b.deadline_reserve_s >= b.max_wall_time_s:
+    if b.max_wall_time_s and elapsed + last_step_s + save_s + b.deadline_reserve_s >= b.max_wall_time_s:
         return "wall_clock"
     return None

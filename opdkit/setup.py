@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from opdkit import loss_table, pairs, rewards, teachers
+from opdkit import loss_table, offline, pairs, rewards, teachers
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt
 from opdkit.engines import vllm_teacher
@@ -61,8 +61,14 @@ def check_params(cfg: Config) -> None:
                        f"{cfg.loss.name} scores sampled tokens: leave loss.teacher_temperature at 1")
     if not cfg.loss.teacher_temperature > 0:
         raise RunError(f"loss.teacher_temperature must be > 0, got {cfg.loss.teacher_temperature}")
-    for why in (rewards.check_params(cfg), teachers.check_params(cfg), vllm_teacher.check_params(cfg)):
+    for why in (rewards.check_params(cfg), teachers.check_params(cfg), vllm_teacher.check_params(cfg),
+                offline.refusal(cfg)):
         if why:
+            raise RunError(why)
+    if cfg.teacher.tokenizer == "own":  # cross-tokenizer OPD (imported only then: a shared run never loads it)
+        from opdkit import xtok_loss
+
+        if why := xtok_loss.check_params(cfg):
             raise RunError(why)
     try:
         teachers.pick_device(cfg.teacher.device, torch.device("cpu"))  # is that device on this machine?
@@ -74,6 +80,11 @@ def prepare_inputs(cfg: Config) -> Inputs:
     """Validate every input without touching the output directory (the first failure raises)."""
     check_params(cfg)
     inputs, _ = pairs.check_inputs(cfg, strict=True)
+    if cfg.rollout.source == "offline":  # the pool read and checked; the examples are its prompts (opdkit.offline)
+        try:
+            inputs = offline.pool_inputs(cfg, inputs)
+        except offline.OfflineError as e:
+            raise RunError(str(e)) from None
     return inputs
 
 
@@ -107,6 +118,7 @@ class Run:
     teacher_ctx: object = contextlib.nullcontext  # context manager the teacher runs under
     ema: torch.nn.Module | None = None
     extras: dict = field(default_factory=dict)
+    xtok: object = None  # teacher.tokenizer=own: the tokenizer pair (opdkit.xtok.Pair), else None
 
     def autocast(self):
         if self.device.type == "cuda" and self.dtype == torch.bfloat16:
@@ -115,6 +127,11 @@ class Run:
 
     def prompts(self, examples: list[Example], privileged: bool = False) -> list[list[int]]:
         return [encode_prompt(ex, self.tokenizer, self.cfg.data, privileged=privileged) for ex in examples]
+
+    def teacher_prompts(self, examples: list[Example]) -> list[list[int]]:
+        """teacher.tokenizer=own: each row's prompt rendered and tokenized by the teacher's tokenizer (and
+        chat template)."""
+        return [encode_prompt(ex, self.inputs.teacher_tokenizer, self.cfg.data) for ex in examples]
 
     def teacher_rows(self, examples: list[Example], samples_per_prompt: int) -> torch.Tensor | None:
         """Several teachers: each row's teacher (its index in ``cfg.teachers``), prompt-major; else None."""
@@ -148,11 +165,16 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     student.train()
 
     src, ema, ctx = cfg.teacher.source, None, contextlib.nullcontext
-    if src == "model":  # one teacher, or several (a TeacherSet), on teacher.device ("": the student's)
+    own = cfg.teacher.tokenizer == "own"  # cross-tokenizer: the teacher scores over its own tokenizer's ids
+    t_vocab_models = {}
+    if cfg.rollout.source == "offline":  # the pool's stored scores stand in for the teacher: no teacher model here
+        teacher = inputs.offline.serve(cfg, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    elif src == "model":  # one teacher, or several (a TeacherSet), on teacher.device ("": the student's)
         t_device = teachers.pick_device(cfg.teacher.device, device)
         members = [load_model(path, t_device, compute_dtype(cfg.runtime, t_device), what)
                    for what, path in inputs.teacher_paths.items()]
-        vocab_models.update({what: (path, m) for (what, path), m in zip(inputs.teacher_paths.items(), members)})
+        (t_vocab_models if own else vocab_models).update(
+            {what: (path, m) for (what, path), m in zip(inputs.teacher_paths.items(), members)})
         teacher = teachers.TeacherSet(tuple(t.name for t in cfg.teachers), members) if cfg.teachers else members[0]
     elif src == "vllm":  # scores in vLLM (its own process, or a server): nothing of it in this process
         teacher = vllm_teacher.make_teachers(cfg, inputs, device, log)
@@ -165,6 +187,8 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
         teacher = student
 
     use_shared_vocab(tok, vocab_models, log)  # checks the teacher's rows too, and says what was done
+    if t_vocab_models:
+        use_shared_vocab(inputs.teacher_tokenizer, t_vocab_models, log)
     opt = make_optimizer(cfg, student, device)
     n_train = sum(p.numel() for p in student.parameters() if p.requires_grad)
     where = (f" on {teachers.device_of(teacher)}" if isinstance(teacher, torch.nn.Module) and teacher is not student
@@ -172,7 +196,7 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "
         f"teacher {', '.join(map(str, inputs.teacher_paths.values())) or src}{where}"
         + (f" (teacher.source=vllm{', ' + cfg.teacher.url if cfg.teacher.url else ', colocated'})" if src == "vllm" else ""))
-    return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema)
+    return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema, xtok=inputs.xtok if own else None)
 
 
 def make_optimizer(cfg: Config, student, device: torch.device) -> torch.optim.Optimizer:
@@ -194,15 +218,6 @@ def update_ema(ema: torch.nn.Module, student: torch.nn.Module, decay: float) -> 
 def export_state_dict(student) -> dict[str, torch.Tensor]:
     """A CPU copy of the plain (LoRA-merged) model weights, named as the base model's."""
     return _merged_state_dict(student)
-
-
-def trainable_state(student) -> dict[str, torch.Tensor]:
-    """What resume needs of the student: adapter weights with LoRA, else all weights."""
-    if hasattr(student, "merge_adapter"):
-        from peft import get_peft_model_state_dict
-
-        return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(student).items()}
-    return {k: v.detach().cpu() for k, v in student.state_dict().items()}
 
 
 def load_trainable_state(student, state: dict) -> None:

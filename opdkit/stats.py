@@ -1,6 +1,6 @@
 """Statistics for evals and runs: clustered accuracy, seed repeats, arm comparisons, binning.
 
-Pure functions over plain lists / numpy arrays. Axis names follow STYLE.md: ``P`` questions
+Pure functions over plain lists / numpy arrays. Axis names (docs/design.md, "Style"): ``P`` questions
 (prompts), ``G`` samples per question (may differ per question: ``G_p``), ``R`` runs (seeds).
 
 Error bars follow Miller 2024, "Adding Error Bars to Evals" (arXiv 2411.00640): the unit of

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from opdkit import packing
 from opdkit.engines.sampling import policy_logits
 
 
@@ -144,6 +145,8 @@ def completion_hidden(model, g: Geometry, unpadded: bool = False) -> torch.Tenso
     real tokens come first (as rollouts and references are laid out).
     """
     decoder, _ = unwrap(model)
+    if unpadded and packing.varlen_available(g.input_ids_B_S.device) and packing.can_pack(decoder):  # one forward
+        return packing.packed_hidden(decoder, g.input_ids_B_S, g.attention_mask_B_S, g.prompt_width, g.completion_len)
     if not unpadded:
         out = decoder(input_ids=g.input_ids_B_S, attention_mask=g.attention_mask_B_S,
                       position_ids=g.position_ids_B_S, use_cache=False)
@@ -204,29 +207,6 @@ def topk_logprobs(head, h_B_T_H: torch.Tensor, k: int, chunk: int) -> tuple[torc
         ids.append(i)
         vals.append(v)
     return torch.cat(ids, dim=1), torch.cat(vals, dim=1)
-
-
-@dataclass
-class TeacherScores:
-    """What the teacher returns for one batch (fields per ``teacher.mode``)."""
-
-    logp_B_T: torch.Tensor  # teacher log p of each sampled token (every mode)
-    topk_ids_B_T_K: torch.Tensor | None = None
-    topk_logp_B_T_K: torch.Tensor | None = None
-    hidden_B_T_H: torch.Tensor | None = None  # full mode: logits are made chunk by chunk in the loss
-
-
-@torch.no_grad()
-def score(model, g: Geometry, completion_ids_B_T: torch.Tensor, mode: str, k: int, chunk: int) -> TeacherScores:
-    """Teacher scores of the sampled completion under geometry ``g``."""
-    _, head = unwrap(model)
-    h_B_T_H = completion_hidden(model, g)
-    out = TeacherScores(logp_B_T=token_logprobs(head, h_B_T_H, completion_ids_B_T, chunk))
-    if mode == "topk":
-        out.topk_ids_B_T_K, out.topk_logp_B_T_K = topk_logprobs(head, h_B_T_H, k, chunk)
-    elif mode == "full":
-        out.hidden_B_T_H = h_B_T_H
-    return out
 
 
 class AlignmentError(AssertionError):

@@ -15,9 +15,19 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
                                       ``collective_failure``)
     .opdkit.lock                      held while a run writes here (a second run fails at once)
 
-Every input is validated before anything in the directory is created or changed. The trainer
-state is saved before the checkpoint of the same step is submitted, so a ``checkpoint-<step>``
-never exists without a state at that step or later.
+Every input is validated before anything in the directory is created or changed. Saves: an HF
+export every ``publish.every_steps`` and a trainer state every ``publish.state_every_steps`` (-1:
+with each export), and at the end both, the checkpoint first. So a ``checkpoint-<step>`` may be
+newer than the newest state; every checkpoint comes from a state at or before its step by
+deterministic steps, and a start that resumes behind one replays those steps without exporting them
+(``opdkit.rundir``; an older export would make retention drop a newer one).
+
+The end of the wall budget (``opdkit.deadline``): a step starts only if it and the final saves (their
+measured seconds, or before the first an estimate from their bytes and a write probe) end
+``budget.deadline_reserve_s`` before ``budget.max_wall_time_s``; a rollout that runs past the point
+where its step can no longer end in time is abandoned between decode steps (``interrupt.deadline``),
+as is one in flight when a stop signal arrives. run.json records what the stop reserved and every
+save's seconds.
 
 Starting again on the same directory resumes from ``state/``: the step count, data position,
 per-sample seeds and RNG continue exactly (an interrupted run ends with the same weights as an
@@ -39,8 +49,10 @@ steps (``runtime.on_nonfinite: stop``; ``skip`` drops the update and logs ``skip
 up to ``runtime.max_nonfinite_skips`` steps in a row), and parameters are checked after it; a
 device out-of-memory error names its phase. Both save nothing new: the last good state and
 checkpoints stay, and a rerun resumes from them. A stop signal (``opdkit.interrupt``, read here
-between steps and agreed on by all ranks) ends the run after the step in flight, with its state
-and (when the wall budget is not spent) its checkpoint saved.
+between steps and agreed on by all ranks) ends the run: a rollout in flight is abandoned at its next
+token (a step past its rollout finishes; one whose teacher fails after the signal, e.g. a vLLM
+engine process that stopped on the same signal, is abandoned), and the state and (when the wall
+budget is not spent) the checkpoint of the last complete step are saved.
 """
 
 from __future__ import annotations
@@ -48,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import resource
 import signal
 import time
@@ -58,7 +69,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import distributed, guards, interrupt, loss_table, opd, overlap, rewards, teachers, tracking, trainer_state
+from opdkit import (deadline, distributed, guards, interrupt, loss_table, offline, opd, overlap, rewards, teachers,
+                    tracking, trainer_state)
 from opdkit.rundir import METRICS_FILE, RUN_FILE, Start, TrainResult, begin, check_output_dir, finish, is_published, step_row
 from opdkit.checkpoints import list_checkpoints
 from opdkit.config import Config, to_dict
@@ -68,37 +80,35 @@ from opdkit.weights_io import export_dtype, parse_size
 from opdkit.engines.base import left_pad
 from opdkit.engines.select import make_engine
 from opdkit.schedules import lr_at, should_stop, wallclock_clock
+from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs, update_ema
 
-
-
-def prompt_indices(seed: int, n_rows: int, start: int, count: int, order: str = "shuffled") -> list[int]:
-    """Rows ``start .. start+count-1`` of the data stream: a fresh seeded shuffle per epoch
-    (``data.order=shuffled``), or the table's order, epoch after epoch (``stored``)."""
-    if order == "stored":
-        return [pos % n_rows for pos in range(start, start + count)]
-    out, perms = [], {}
-    for pos in range(start, start + count):
-        epoch, i = divmod(pos, n_rows)
-        if epoch not in perms:
-            perms[epoch] = random.Random(f"{seed}/epoch/{epoch}").sample(range(n_rows), n_rows)
-        out.append(perms[epoch][i])
-    return out
 
 
 # --- publishing and stopping ------------------------------------------------------------------
 
 
-def _publish(publisher: Publisher, run: Run, step: int, elapsed: float) -> None:
+def _publish(publisher, run: Run, step: int, elapsed: float) -> None:
+    """Submit the export of ``checkpoint-<step>`` (written in the background on rank 0). The weights
+    are cast to the export dtype where they live and copied into the publisher's reused host memory
+    (``publish.Snapshot``), once the previous export has finished: that memory was its snapshot."""
+    publisher.wait()
+    t0 = time.monotonic()
     meta = {
         "step": step, "elapsed_s": round(elapsed, 3), "params": to_dict(run.cfg),
         "data_fingerprint": run.inputs.data_fingerprint, "data_path": str(run.inputs.train_path),
         "code_revision": run.extras["code_revision"], "source_student": str(run.inputs.student_path),
+        "run_id": run.extras.get("run_id"),
     }
     base = run.student.get_base_model() if hasattr(run.student, "get_base_model") else run.student
-    publisher.submit(step=step, state_dict=distributed.export_state_dict(run.student), model_config=base.config,
-                     tokenizer=run.tokenizer, generation_config=base.generation_config, meta=meta,
-                     dtype=run.extras["publish_dtype"])
+    snapshot = getattr(publisher, "snapshot", None)
+    state_dict = distributed.export_state_dict(run.student, dtype=run.extras["publish_dtype"],
+                                               copy=snapshot.copy if snapshot is not None else None)
+    if snapshot is not None:
+        snapshot.done()
+    publisher.submit(step=step, state_dict=state_dict, model_config=base.config, tokenizer=run.tokenizer,
+                     generation_config=base.generation_config, meta=meta, dtype=run.extras["publish_dtype"],
+                     started_at=t0)
 
 
 def _peak_memory_gb(device: torch.device) -> float:
@@ -145,11 +155,13 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     return inputs
 
 
-def train(cfg: Config, out: str | Path, log=print, progress: bool = True) -> TrainResult:
+def train(cfg: Config, out: str | Path, log=print, progress: bool = True, started_at: float | None = None) -> TrainResult:
     """One OPD run into ``out`` (or the rest of one); raises on any failure (the caller maps it to
     an exit status). ``RunError``/``DataError``/``ModelError``/``ConfigError`` raised before the
-    lock is taken leave ``out`` exactly as it was; ``LockHeld`` if another run writes there."""
-    t_start = time.monotonic()  # the wall budget includes start-up (loading models, data)
+    lock is taken leave ``out`` exactly as it was; ``LockHeld`` if another run writes there.
+    ``started_at``: the ``time.monotonic()`` the wall budget counts from (the command line passes
+    ``deadline.started_at()``: the launch, start-up included); default now."""
+    t_start = time.monotonic() if started_at is None else started_at  # the wall budget includes start-up
     out = Path(out)
     world = distributed.current()
     if not world.is_main:  # rank 0 alone logs and writes the output directory
@@ -198,14 +210,21 @@ class _Loop:
     mine: slice  # this rank's prompts of a step
     reads_logp: bool  # the loss reads the sampler's log-probs (else recorded for the alignment check only)
     published_step: int | None  # the newest step whose checkpoint is published or being published
+    state_step: int | None  # the step of the newest trainer state (None: none saved)
+    ahead: int | None  # a checkpoint newer than the state this start resumed from: steps up to it are not exported
+    clock: deadline.SaveClock  # the saves' seconds (measured, or estimated until they are)
+    exports_seen: int = 0  # the publisher's export timings already in ``clock``
 
 
 def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World, start: Start) -> _Loop:
     """Build the run (restored from ``start.state``, sharded under torchrun), its samplers, the
-    publisher and metrics file; publish the restored weights if they never were; open the tracker."""
+    publisher and metrics file; publish the restored weights if they never were (and no newer
+    checkpoint is there); measure the write rate the first saves are estimated at; open the tracker."""
     state = start.state
+    state_step = start.step if state is not None else None
     run = build_run(cfg, inputs, log)
     run.extras["code_revision"] = code_revision()
+    run.extras["run_id"] = start.run_id
     # states saved before the key existed: their schedule started at 0 s
     run.extras["lr_clock_start_s"] = state.get("lr_clock_start_s", 0.0) if state is not None else None
     run.extras["publish_dtype"] = export_dtype(cfg.publish.dtype, inputs.student_path)
@@ -222,35 +241,49 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
         metrics_f = (out / METRICS_FILE).open("a")
     else:
         publisher, metrics_f = distributed.NullPublisher(), open(os.devnull, "w")
-    engine = make_engine(cfg, run.student, run.tokenizer)
+    # offline: the pool serves the stored samples (it is the run's teacher too: opdkit.offline); else the student's sampler
+    engine = run.teacher if cfg.rollout.source == "offline" else make_engine(cfg, run.student, run.tokenizer)
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
                       if loss_table.samples_from(cfg.loss) == "teacher" else None)
+    interrupt.ensure_installed(log)  # the engines are built: our stop-signal handlers are the ones in place
     if cfg.rollout.overlap:  # one-step-off: the next step's batch is drawn while this one trains (opdkit.overlap)
         engine = overlap.Lookahead(engine, run.autocast, run.device)
         engine.restore(pending)
     engine.sync_weights(run.student)  # an engine with weights of its own (vLLM) starts from the live ones
     mine = world.share(cfg.rollout.prompts_per_step)  # mine.start .. mine.stop-1 (global sample seeds)
     reads_logp = loss_table.reads_sampling_logp(cfg.loss, cfg.rollout)
-    step, published_step = start.step, None
+    b = cfg.budget
+    rate = 0.0
+    if world.is_main and b.max_wall_time_s > 0 and b.write_probe_mb > 0:
+        rate = deadline.probe_write_rate([trainer_state.directory(out, cfg.runtime.state_dir), out / "checkpoints"],
+                                         b.write_probe_mb << 20)
+        log(f"write probe: {b.write_probe_mb} MiB at {rate / 1e9:.2f} GB/s (the first saves are reserved at their bytes "
+            f"over this rate x {b.save_estimate_factor:g})")
+    clock = deadline.SaveClock(deadline.state_bytes(run.student, run.ema),
+                               deadline.export_bytes(run.student, run.extras["publish_dtype"]), rate,
+                               b.save_estimate_factor)
+    lp = _Loop(run, engine, teacher_engine, publisher, metrics_f, tracker=None, mine=mine, reads_logp=reads_logp,
+               published_step=None, state_step=state_step, ahead=start.ahead, clock=clock)
+    step = start.step
     if step and world.from_main(is_published(out, step)):
-        published_step = step
-    elif step:
+        lp.published_step = step
+    elif step and start.ahead is None:
         _publish(publisher, run, step, start.elapsed0 + time.monotonic() - t_start)  # never published: do it now
-        published_step = step
+        lp.published_step = step
     # DVCLive / TensorBoard beside train.jsonl (rank 0); its history is rebuilt from train.jsonl's kept rows
-    tracker = (tracking.Tracker(tracking.resolve(cfg.tracking), out, out / METRICS_FILE, to_dict(cfg), log)
-               if world.is_main else tracking.Tracker("none"))
-    return _Loop(run, engine, teacher_engine, publisher, metrics_f, tracker, mine, reads_logp, published_step)
+    lp.tracker = (tracking.Tracker(tracking.resolve(cfg.tracking), out, out / METRICS_FILE, to_dict(cfg), log)
+                  if world.is_main else tracking.Tracker("none"))
+    return lp
 
 
-def _set_lr(cfg: Config, run: Run, step: int, elapsed: float, last_step_s: float) -> float:
+def _set_lr(cfg: Config, run: Run, step: int, elapsed: float, last_step_s: float, save_s: float) -> float:
     """The learning rate of step ``step + 1``, set on the optimizer (the run's first step starts the
-    wall-clock schedule, which ends when the loop will stop: see ``_should_stop``)."""
+    wall-clock schedule, which ends when the loop will stop: see ``schedules.should_stop``)."""
     if run.extras["lr_clock_start_s"] is None:
         run.extras["lr_clock_start_s"] = elapsed
     lr_elapsed_s, lr_budget_s = wallclock_clock(elapsed, run.extras["lr_clock_start_s"], cfg.budget.max_wall_time_s,
-                                                cfg.budget.deadline_reserve_s, last_step_s)
+                                                cfg.budget.deadline_reserve_s, last_step_s, save_s)
     lr = lr_at(cfg.optim.schedule, step=step, total_steps=cfg.budget.schedule_steps or cfg.budget.max_steps,
                elapsed_s=lr_elapsed_s, budget_s=lr_budget_s, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
                warmup_steps=cfg.optim.warmup_steps)
@@ -262,17 +295,19 @@ def _set_lr(cfg: Config, run: Run, step: int, elapsed: float, last_step_s: float
 def _step_batch(cfg: Config, inputs: Inputs, lp: _Loop, step_i: int, pos: int):
     """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
     P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-    examples = [inputs.examples[i] for i in prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order)][lp.mine]
+    rows = prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order, cfg.data.hf_order)
+    examples = [inputs.examples[i] for i in rows][lp.mine]
     return examples, lp.run.prompts(examples), opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=lp.mine.start * G)
 
 
-def _draw(cfg: Config, inputs: Inputs, lp: _Loop, world: distributed.World, step: int, data_pos: int, first: bool,
-          elapsed: float, last_step_s: float):
+def _draw(cfg: Config, inputs: Inputs, lp: _Loop, world: distributed.World, step: int, data_pos: int, check: bool,
+          elapsed: float, last_step_s: float, save_s: float):
     """Step ``step + 1``'s batch: P prompts x G samples from the student (or the teacher / the
     references for sft; a rank of a sharded run takes prompts mine.start .. mine.stop-1), the
     teacher's view of them, and their rewards (None at λ = 0). With rollout.overlap the batch was
     drawn during the previous step, and the next step's is started here. Returns (batch, reward,
-    lag): lag = updates between the weights that drew the batch and those it trains."""
+    lag): lag = updates between the weights that drew the batch and those it trains. ``check``: the
+    step's alignment check reads the sampling log-probs."""
     R, G, run, engine = cfg.rollout, cfg.rollout.samples_per_prompt, lp.run, lp.engine
     pad_id = run.tokenizer.pad_token_id
     examples, prompts, seeds = _step_batch(cfg, inputs, lp, step, data_pos)
@@ -284,10 +319,10 @@ def _draw(cfg: Config, inputs: Inputs, lp: _Loop, world: distributed.World, step
     else:
         sampler = lp.teacher_engine or engine
         with run.autocast():
-            rollout = sampler.sample(prompts, seeds=seeds, logprobs=lp.reads_logp or first, **draw)
+            rollout = sampler.sample(prompts, seeds=seeds, logprobs=lp.reads_logp or check, **draw)
         if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
             lag = engine.lag
-            if not should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s):
+            if not should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s, save_s):
                 _, next_prompts, next_seeds = _step_batch(cfg, inputs, lp, step + 1, data_pos + R.prompts_per_step)
                 engine.prefetch(next_prompts, seeds=next_seeds, logprobs=lp.reads_logp, **draw)
     if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
@@ -296,23 +331,50 @@ def _draw(cfg: Config, inputs: Inputs, lp: _Loop, world: distributed.World, step
         priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
         t_ids, t_mask = left_pad(priv, pad_id, run.device)
     batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side, teacher_B=run.teacher_rows(examples, G))
+    if run.xtok is not None:  # teacher.tokenizer=own: each completion's text re-tokenized by the teacher (opdkit.xtok)
+        from opdkit import xtok
+
+        t_prompts = [p for p in run.teacher_prompts(examples) for _ in range(G)]
+        batch.xtok = xtok.teacher_view(run.xtok, rollout.completion_ids_B_T, rollout.completion_mask_B_T, t_prompts)
     # OPD plus a verifiable reward: every completion graded against its row's answer (None at λ = 0)
     reward = rewards.attach(cfg, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}")
     return batch, reward, lag
 
 
-def _check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, log) -> dict | None:
-    """On the first batch of a start: the sampler's log-probs against the loss's recomputation
-    (``opd.alignment_report``; ``AlignmentError`` stops the run). The report, or None if not run."""
+def _alignment_step(cfg: Config, step: int, first_step: int) -> bool:
+    """Whether step ``step + 1`` runs the alignment check: the first batch of every start, and with
+    ``runtime.alignment_every`` = N > 0 every N-th step too."""
+    every = cfg.runtime.alignment_every
+    return cfg.runtime.alignment_check and (step == first_step or bool(every and (step + 1) % every == 0))
+
+
+def _check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, step: int, log) -> dict | None:
+    """On the first batch of a start (and every ``runtime.alignment_every`` steps): the sampler's
+    log-probs against the loss's recomputation (``opd.alignment_report``; ``AlignmentError`` stops
+    the run). The report, or None if not run."""
     align = None
-    if cfg.runtime.alignment_check and lag:
-        log("alignment check skipped: this start's first batch was drawn (rollout.overlap=1) by the weights one "
-            "update before the restored ones; it ran on the run's first batch")
-    elif cfg.runtime.alignment_check and loss_table.samples_from(cfg.loss) == "student":
+    if lag:
+        log(f"alignment check skipped at step {step + 1}: its batch was drawn (rollout.overlap=1) by the weights one "
+            "update before the current ones; it ran on the run's first batch")
+    elif cfg.rollout.source == "offline" and not (
+            step == 0 and cfg.rollout.offline_ratio == "behaviour"
+            and offline.behaviour_is_student(run.teacher, run.inputs.student_path)):
+        log("alignment check skipped: the offline pool's samples were drawn by its policy, not by these weights (it runs "
+            "at step 0 of a run whose student is the pool's policy, rollout.offline_ratio=behaviour)")
+    elif loss_table.samples_from(cfg.loss) == "student":
         with run.autocast():  # recomputed as the loss recomputes them
             align = opd.alignment_report(cfg, batch, run.student, opd.check_precision(cfg, run.dtype, run.device))
+    if align and batch.xtok is not None:  # the teacher's own view: its layout, and how the two tokenizations align
+        from opdkit import xtok
+        from opdkit.teacher import check_alignment
+
+        view = batch.xtok.teacher
+        g = opd.GEOMETRIES["left"](view.prompt_ids_B_Sp, view.prompt_mask_B_Sp, view.completion_ids_B_T,
+                                   view.completion_mask_B_T)
+        t = check_alignment(g, view.completion_ids_B_T, view.completion_mask_B_T, view.prompt_mask_B_Sp)
+        align |= {f"teacher_view_{k}": v for k, v in t.items()} | xtok.span_stats(batch.xtok)
     if align:
-        log(f"alignment check passed on the first batch: {align}")
+        log(f"alignment check passed at step {step + 1}: {align}")
     return align
 
 
@@ -356,26 +418,79 @@ def _update(cfg: Config, run: Run, engine, m: dict, step_no: int, skips: int, lo
 
 
 def _save(cfg: Config, out: Path, lp: _Loop, step: int, elapsed: float, data_pos: int, log) -> None:
-    """The trainer state at ``step``, once the previous export has succeeded (state before the
-    checkpoint of the same step: see the module docstring)."""
+    """The trainer state at ``step`` (every rank writes its part), once the previous export has
+    succeeded; timed for the stop rule."""
     lp.publisher.wait()
-    trainer_state.save(out, lp.run, step, elapsed, data_pos, log, lp.engine.state() if cfg.rollout.overlap else None)
+    interrupt.ensure_installed(log)  # a save is never cut short by a handler that is not ours
+    t0 = time.monotonic()
+    path = trainer_state.save(out, lp.run, step, elapsed, data_pos, log, lp.engine.state() if cfg.rollout.overlap else None)
+    seconds = time.monotonic() - t0
+    lp.state_step = step
+    nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if distributed.current().is_main else 0
+    e = lp.clock.record("state", step, nbytes, seconds)
+    log(f"saved the trainer state at step {step} ({path}): {e['gb']} GB in {e['s']} s, {e['gb_per_s']} GB/s")
 
 
-def _publish_final(cfg: Config, out: Path, lp: _Loop, reason: str, step: int, start_step: int, published_step: int | None,
-                   elapsed: float, data_pos: int, log) -> None:
-    """The intended end (also at step 0 when the wall budget is already spent): the final weights
-    are saved and published, and we wait until the checkpoint is complete. A stop signal: the
-    steps of this start are saved; the checkpoint too unless the wall budget is spent."""
-    stopped = reason.startswith("SIG")
-    if published_step != step and not (stopped and step == start_step):
-        _save(cfg, out, lp, step, elapsed, data_pos, log)
-        if stopped and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s:
-            log(f"stop requested past the wall budget: saved the state at step {step}, not its checkpoint "
-                "(a rerun publishes it)")
-        else:
-            _publish(lp.publisher, lp.run, step, elapsed)
+def _collect_exports(lp: _Loop) -> None:
+    """The seconds of the exports that finished since the last call (snapshot to files in place), into ``lp.clock``."""
+    timings = getattr(lp.publisher, "timings", [])
+    for t in timings[lp.exports_seen:]:
+        lp.clock.record("export", t["step"], t["bytes"], t["seconds"])
+    lp.exports_seen = len(timings)
+
+
+def _replayed(lp: _Loop, step: int) -> bool:
+    """``step``'s checkpoint was published by an earlier start (this one replays behind it): not exported again
+    (publishing an older step would make retention drop a newer one)."""
+    return lp.ahead is not None and step <= lp.ahead
+
+
+def _state_due(cfg: Config, step: int, export_due: bool) -> bool:
+    n = cfg.publish.state_every_steps
+    return export_due if n < 0 else bool(n) and step % n == 0
+
+
+def _publish_final(cfg: Config, out: Path, lp: _Loop, reason: str, step: int, start_step: int, elapsed: float,
+                   data_pos: int, log) -> None:
+    """The end: the checkpoint of the last complete step first (it is what the wall budget is for),
+    then its trainer state, each unless already there, and we wait until both are complete. A stop
+    signal before any step of this start saves nothing new; one past the wall budget saves the state
+    only (a rerun publishes it)."""
+    if not (reason.startswith("SIG") and step == start_step):
+        late = reason.startswith("SIG") and cfg.budget.max_wall_time_s and elapsed >= cfg.budget.max_wall_time_s
+        if lp.published_step != step and not _replayed(lp, step):
+            if late:
+                log(f"stop requested past the wall budget: saving the state at step {step}, not its checkpoint "
+                    "(a rerun publishes it)")
+            else:
+                _publish(lp.publisher, lp.run, step, elapsed)
+                lp.published_step = step
+        if lp.state_step != step:
+            _save(cfg, out, lp, step, elapsed, data_pos, log)
     lp.publisher.close()  # raises PublishError if any export failed
+    _collect_exports(lp)
+
+
+_SIGNAL_CODE = 1000  # a step abandoned by signal N is agreed on as _SIGNAL_CODE + N over the ranks (1: the wall clock)
+
+
+def _abandoned_on_ranks(world: distributed.World, reason: str | None) -> str | None:
+    """The ranks agree on whether the step in flight was abandoned, and why (a signal wins over the wall clock)."""
+    if not world.active:
+        return reason
+    code = 0 if reason is None else 1 if reason == "wall_clock" else _SIGNAL_CODE + int(signal.Signals[reason])
+    (code,) = world.max(code)
+    return None if code == 0 else "wall_clock" if code == 1 else signal.Signals(int(code) - _SIGNAL_CODE).name
+
+
+def _rng_states(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+
+
+def _set_rng_states(states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state_all(states[1])
 
 
 def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t_start: float,
@@ -384,36 +499,75 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
     if start.done:
         return start.done
     lp = _setup(cfg, inputs, out, log, t_start, world, start)
-    run, step, data_pos, elapsed0 = lp.run, start.step, start.data_pos, start.elapsed0
-    start_step = first_step = step  # the alignment check runs on the first batch of every start
-    published_step, skips, last_step_s = lp.published_step, 0, 0.0  # skips: non-finite updates dropped in a row
+    run, step, data_pos, elapsed0, b = lp.run, start.step, start.data_pos, start.elapsed0, cfg.budget
+    start_step = first_step = step  # the alignment check runs on the first batch of every start (_alignment_step)
+    skips, last_step_s, after_rollout_s = 0, 0.0, 0.0  # skips: non-finite updates dropped in a row
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
     with lp.publisher, lp.metrics_f, bar, lp.tracker:
         while True:
             lp.publisher.check()  # a failed background export stops the run here, never silently
+            _collect_exports(lp)
+            save_s, parts = lp.clock.reserve() if b.max_wall_time_s else (0.0, {})
             # rank 0's clock for all: the same stop decision and wall-clock learning rate everywhere
-            elapsed, last_step_s = world.broadcast(elapsed0 + time.monotonic() - t_start, last_step_s)
-            reason = should_stop(cfg, step, elapsed, last_step_s) or _stop_signal(world)
+            elapsed, last_step_s, save_s, after_rollout_s = world.broadcast(
+                elapsed0 + time.monotonic() - t_start, last_step_s, save_s, after_rollout_s)
+            reason = should_stop(cfg, step, elapsed, last_step_s, save_s) or _stop_signal(world)
+            abandoned = None
+            if not reason:
+                at.step, at.phase = step + 1, "rollout"
+                t0 = _clock(run.device)
+                lr = _set_lr(cfg, run, step, elapsed, last_step_s, save_s)
+                # the rollout ends by the point where the saves must start, less the rest of its step (as long as
+                # the last one's; unknown for a start's first step): else it is abandoned between decode steps
+                left = deadline.rollout_deadline_s(b.max_wall_time_s, b.deadline_reserve_s, save_s, after_rollout_s,
+                                                   elapsed)
+                rng = _rng_states(run.device)
+                try:
+                    with interrupt.deadline(None if left is None else time.monotonic() + left):
+                        # 1. rollout, 2. teacher scoring, 3. loss + backward, 4. update
+                        check = _alignment_step(cfg, step, first_step)
+                        batch, reward, lag = _draw(cfg, inputs, lp, world, step, data_pos, check, elapsed,
+                                                   last_step_s, save_s)
+                except interrupt.StepAbandoned as e:
+                    abandoned = e.reason
+                abandoned = _abandoned_on_ranks(world, abandoned)
+                if abandoned:
+                    _set_rng_states(rng)  # as if the step had never started: a resumed run draws it again
+                    reason = abandoned
+                    log(f"step {step + 1} abandoned during its rollout after {time.monotonic() - t0:.1f}s ({abandoned}): "
+                        f"its weights were not updated; saving step {step}")
             if reason:
+                stop = deadline.decision(reason, step, elapsed, last_step_s, save_s, parts, b.max_wall_time_s,
+                                         b.deadline_reserve_s, bool(abandoned))
+                if b.max_wall_time_s:
+                    log(f"stopping at step {step} ({reason}) after {elapsed:.1f}s of the {b.max_wall_time_s:g}s budget; "
+                        f"reserved {stop['reserved_s']:.1f}s: next step {last_step_s:.1f}s, saves {save_s:.1f}s ("
+                        + ", ".join(f"{k} {v['s']:.1f}s {v['basis']}" for k, v in parts.items())
+                        + f"), deadline reserve {b.deadline_reserve_s:g}s")
                 break
-            at.step, at.phase = step + 1, "rollout"
-            t0 = _clock(run.device)
-            lr = _set_lr(cfg, run, step, elapsed, last_step_s)
-            # 1. rollout, 2. teacher scoring, 3. loss + backward, 4. update
-            batch, reward, lag = _draw(cfg, inputs, lp, world, step, data_pos, step == first_step, elapsed, last_step_s)
-            data_pos += cfg.rollout.prompts_per_step
             t1 = _clock(run.device)
-            align = _check_alignment(cfg, run, batch, lag, log) if step == first_step else None
+            align = _check_alignment(cfg, run, batch, lag, step, log) if check else None
             at.phase = "score"
-            contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+            try:
+                contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+            except Exception as e:  # a teacher in a process of its own (vLLM) may stop on the same signal as we did
+                if world.active or cfg.rollout.overlap or not interrupt.requested():
+                    raise
+                reason = signal.Signals(interrupt.requested()).name
+                log(f"step {step + 1}: the teacher failed after {reason} ({type(e).__name__}: {e}); the step is "
+                    f"abandoned, its weights were not updated; saving step {step}")
+                _set_rng_states(rng)
+                stop = deadline.decision(reason, step, elapsed, last_step_s, save_s, parts, b.max_wall_time_s,
+                                         b.deadline_reserve_s, True)
+                break
             t2 = _clock(run.device)
             at.phase = "update"
             m, n_tok, n_seq, n_trunc = _losses(cfg, run, world, batch, contexts, reward)
             grad_norm, bad, skips = _update(cfg, run, lp.engine, m, step + 1, skips, log)
-            step += 1
+            step, data_pos = step + 1, data_pos + cfg.rollout.prompts_per_step
             at.phase = "bookkeeping"
             t3 = _clock(run.device)
-            last_step_s = t3 - t0
+            last_step_s, after_rollout_s = t3 - t0, t3 - t1
             elapsed = elapsed0 + t3 - t_start
             waited = lp.engine.pop_waited() if cfg.rollout.overlap else 0.0  # waiting for the prefetch: rollout time
             row = step_row(step, elapsed, lr, m, grad_norm, n_tok, n_seq, n_trunc, last_step_s,
@@ -425,11 +579,18 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             _reset_peak_memory(run.device)  # the next row's peak: its step, and any publishing before it
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.4f}", kl=f"{m.get('kl') or 0:.4f}", s=f"{last_step_s:.2f}")
-            if cfg.publish.every_steps and step % cfg.publish.every_steps == 0:
+            export_due = bool(cfg.publish.every_steps) and step % cfg.publish.every_steps == 0
+            if _state_due(cfg, step, export_due):
                 at.phase = "publish"
                 _save(cfg, out, lp, step, elapsed, data_pos, log)
+            if export_due and not _replayed(lp, step):
+                at.phase = "publish"
                 _publish(lp.publisher, run, step, elapsed)
-                published_step = step
+                lp.published_step = step
         at.phase = "publish"
-        _publish_final(cfg, out, lp, reason, step, start_step, published_step, elapsed, data_pos, log)
-    return finish(out, reason, step, elapsed, log, world, cfg.experiment_name, lp.tracker.record)
+        _publish_final(cfg, out, lp, reason, step, start_step, elapsed, data_pos, log)
+    elapsed_end = elapsed0 + time.monotonic() - t_start
+    record = {"stop": stop, "saves": lp.clock.saves, "ended_s": round(elapsed_end, 3)}
+    if b.max_wall_time_s:
+        log(f"the final saves ended at {elapsed_end:.1f}s of the {b.max_wall_time_s:g}s budget")
+    return finish(out, reason, step, elapsed, log, world, cfg.experiment_name, lp.tracker.record, record)

@@ -1,34 +1,40 @@
-"""The trainer state: what resuming a run needs, written tensor by tensor and atomically.
+"""The trainer state: what resuming a run needs, streamed to disk at disk speed and published atomically.
 
 Layout, under a run's output directory (or ``runtime.state_dir``, run.sh's CKPT_DIR, when set)::
 
     state/trainer_state-<step>/     one complete state; a run resumes from the newest step's
         meta.pt                     step, elapsed wall time, data position, lr clock, RNG, the params
-                                    and data fingerprint (small; ``peek`` reads only this)
-        .metadata, __<r>_0.distcp   torch.distributed.checkpoint (DCP): ``model`` (the trainable
-                                    weights: all of them, or the LoRA adapter alone), ``optimizer``
-                                    (its state by parameter name), ``ema`` (an EMA teacher's weights)
+                                    and data fingerprint, the state dicts' values that are not tensors
+                                    (the optimizer's param groups), the number of ranks (small; ``peek``
+                                    reads only this)
+        rank<r>.bin, rank<r>.json   rank r's tensors, raw bytes (``opdkit.tensor_files``), and where each
+                                    lies: ``model`` (the trainable weights: all of them, or the LoRA adapter
+                                    alone), ``optimizer`` (its state by parameter name), ``ema`` (an EMA
+                                    teacher's weights), each piece with its global shape and offset
 
-Streaming: DCP writes each tensor from where it lives, one at a time, so a save holds no second
-copy of the state in host memory (a GPU tensor passes through host memory alone). Under torchrun
-every rank writes its own shards, in parallel; nothing is gathered. Tensors are stored by name
-with their global shapes, so a state resumes under any number of ranks (DCP reassembles them:
-``restore`` reads full tensors into the unsharded run before it is sharded), one process included.
+Streaming: each tensor is written from where it lives, a GPU one through a few reused pinned
+buffers whose copies overlap the writes, so a save holds no second copy of the state in host memory
+and runs at the file system's speed. Under torchrun every rank writes its own shards, in parallel;
+nothing is gathered. Tensors are stored by name with their global shapes and offsets, so a state
+resumes under any number of ranks (``restore`` reads full tensors into the unsharded run before
+it is sharded), one process included.
 
-Atomic: a state is written into ``state/.tmp-trainer_state-*``, every file fsynced (``meta.pt``
-last), then renamed into place; older states and leftovers of interrupted saves are removed only
-after that. A state directory is complete or absent. Transient I/O errors are retried
-(``publish.retries``, ``fsutil.retry_io``) by every rank together; a full disk, a quota or a
-read-only file system is not, and the error names the directory and the bytes needed.
+Atomic: a state is written into ``state/.tmp-trainer_state-<step>-<pid>-<ns>``, every file fsynced
+(``meta.pt`` last), then renamed into place; older states beyond the newest ``publish.keep_states``
+and leftovers of interrupted saves are removed only after that, a leftover only by the process
+that made it or once that process is gone. A state directory is complete or absent. Transient I/O
+errors are retried (``publish.retries``, ``fsutil.retry_io``) by every rank together; a full disk,
+a quota or a read-only file system is not, and the error names the directory and the bytes needed.
 
-The single file of older opdkit versions (``state/trainer_state.pt``) is still read (``peek``,
-``restore``); the first save replaces it.
+Older formats are still read: the torch.distributed.checkpoint directories of the previous
+version (``.metadata``, ``__<r>_0.distcp``) and the single file before that
+(``state/trainer_state.pt``); the first save replaces them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
+import json
 import os
 import re
 import shutil
@@ -38,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from opdkit import distributed
+from opdkit import distributed, tensor_files
 from opdkit.config import to_dict
 from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
 from opdkit.setup import Run, RunError, load_trainable_state
@@ -46,7 +52,7 @@ from opdkit.setup import Run, RunError, load_trainable_state
 STATE_DIR = "state"
 LEGACY_FILE = "trainer_state.pt"  # the single-file state of older versions
 META = "meta.pt"
-FORMAT = 2  # 1: the legacy single file
+FORMAT = 3  # 1: the legacy single file; 2: a torch.distributed.checkpoint directory (still read)
 _NAME = re.compile(r"^trainer_state-(\d+)(?:\.(\d+))?$")
 
 # --- finding and reading ----------------------------------------------------------------------
@@ -142,27 +148,64 @@ def _single_process_quiet():
         yield
 
 
-def _checkpoint_error(e: BaseException) -> BaseException:
-    """DCP reports a rank's failure, on every rank, as a ``CheckpointException`` holding each failed
-    rank's exception: the first ``OSError`` among them (so that retries and the storage explanations
-    see its errno), else the exception itself."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(e, CheckpointException):
-        for exc, _trace in e.failures.values():
-            if isinstance(exc, OSError):
-                return exc
-    return e
-
-
 # --- saving -----------------------------------------------------------------------------------
+
+
+def _flatten(tree, prefix: tuple = ()):
+    """(path, leaf) of a nested state dict: dicts are walked, and lists holding dicts, lists or tensors
+    (the optimizer's ``param_groups``); anything else (a number, a tuple of betas, a list of names) is a leaf."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, (*prefix, k))
+    elif isinstance(tree, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in tree):
+        for i, v in enumerate(tree):
+            yield from _flatten(v, (*prefix, i))
+    else:
+        yield prefix, tree
+
+
+def _set(tree, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def _pieces(tensors: dict, world: distributed.World):
+    """(key, tensor, global shape, global offset) of what this rank writes: its shard of each DTensor
+    (once per replica set), and the plain tensors on rank 0."""
+    for path, t in _flatten(tensors):
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = list(path)
+        if hasattr(t, "to_local") and hasattr(t, "placements"):  # a DTensor: this rank's shard, at its global offset
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            coord = t.device_mesh.get_coordinate()
+            if coord is None or any(isinstance(p, Replicate) and c for p, c in zip(t.placements, coord)):
+                continue  # not in the mesh, or a replica another rank writes
+            local = t.to_local()
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            if tuple(shape) != tuple(local.shape):
+                raise RuntimeError(f"trainer state: {'.'.join(map(str, path))} has a local shard of shape {list(local.shape)} "
+                                   f"where its placement gives {list(shape)}")
+            if local.numel():
+                yield key, local, list(t.shape), list(offset)
+        elif world.is_main:
+            yield key, t, list(t.shape), [0] * t.dim()
+
+
+def _objects(tensors: dict) -> dict[str, object]:
+    """The leaves that are not tensors (the optimizer's param_groups values, ...), by their path as JSON."""
+    return {json.dumps(list(path)): v for path, v in _flatten(tensors) if not isinstance(v, torch.Tensor)}
 
 
 def save(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log, pending: dict | None = None) -> Path:
     """Write the run's state at ``step`` into ``directory(out, runtime.state_dir)`` (every rank calls
     it: each writes its own shards; rank 0 writes ``meta.pt`` and publishes the directory). Returns its path.
     ``pending``: ``rollout.overlap``'s batch prefetched for the next step (``opdkit.overlap``), kept in
-    ``meta.pt`` so that a resumed run trains on the batch it would have."""
+    ``meta.pt`` so that a resumed run trains on the batch it would have. The newest
+    ``publish.keep_states`` states are kept."""
     world = distributed.current()
     state_dir = directory(out, run.cfg.runtime.state_dir)
     tensors = _state_dicts(run)
@@ -173,6 +216,7 @@ def save(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log, pen
         "rng": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
         "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint, "pending_rollout": pending,
+        "ranks": world.size, "objects": _objects(tensors), "run_id": run.extras.get("run_id"),
     }  # fmt: skip
     what, size = f"the trainer state at step {step}", _size_on_disk(tensors)
     p = run.cfg.publish
@@ -180,36 +224,38 @@ def save(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log, pen
         path = retry_io(lambda: _write(state_dir, tensors, meta, size, world), retries=p.retries,
                         backoff_s=p.backoff_s, what=f"saving {what}", log=log)
     if world.is_main:
-        _remove_all_but(state_dir, path)
+        _remove_all_but(state_dir, path, p.keep_states)
     return path
 
 
 def _write(state_dir: Path, tensors: dict, meta: dict, size: int, world: distributed.World) -> Path:
     """One attempt, on every rank; raises the same ``OSError`` on every rank if any rank's write fails
     (its temporary directory removed), so that every rank takes the same retry decision."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
     tmp = None
     if world.is_main:
         state_dir.mkdir(parents=True, exist_ok=True)
         tmp = state_dir / f".tmp-trainer_state-{meta['step']}-{os.getpid()}-{time.monotonic_ns()}"
-    tmp = Path(world.from_main(str(tmp)))  # one directory for all ranks (a shared one on several nodes)
+        tmp.mkdir()
+    tmp = Path(world.from_main(str(tmp)))  # one directory for all ranks (a shared one on several nodes); made
+    failed = None
     try:
-        with _single_process_quiet():
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
-                     no_dist=not world.active)
-    except (Exception, CheckpointException) as e:  # every rank gets DCP's verdict on every rank's write
-        err, failed = _checkpoint_error(e), None
+        entries, _ = tensor_files.write_file(tmp / f"rank{world.rank}.bin", _pieces(tensors, world))
+        with open(tmp / f"rank{world.rank}.json", "w") as f:
+            json.dump(entries, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        failed = ("os", e.errno, e.strerror or str(e), e.filename)
+    except Exception as e:  # reported to every rank, so that none waits for this one in the next collective
+        failed = ("other", f"{type(e).__name__}: {e}")
+    failures = [f for f in world.gather(failed) if f is not None]
+    if failures:
         if world.is_main:
-            if not isinstance(err, OSError) and _free_bytes(state_dir) < size:  # torch.save's zip writer reports a
-                err = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))  # short write, not the errno
             shutil.rmtree(tmp, ignore_errors=True)
-            failed = (err.errno, err.strerror or str(err), err.filename) if isinstance(err, OSError) else None
-        failed = world.from_main(failed)
-        if failed:
-            raise OSError(*failed) from None
-        raise err from None
+        first = failures[0]
+        if first[0] == "os":
+            raise OSError(*first[1:])
+        raise RuntimeError(f"saving the trainer state failed on a rank: {first[1]}")
     final, failed = None, None
     if world.is_main:
         try:
@@ -246,17 +292,33 @@ def _publish(state_dir: Path, tmp: Path, meta: dict) -> Path:
     return final
 
 
-def _remove_all_but(state_dir: Path, keep: Path) -> None:
-    """Once ``keep`` is in place: the older states, an older version's file, and what interrupted
-    saves left behind."""
+_TMP = re.compile(r"^\.tmp-trainer_state-\d+-(\d+)-\d+$")
+
+
+def _remove_all_but(state_dir: Path, keep: Path, keep_states: int = 1) -> None:
+    """Once ``keep`` is in place: the states older than the newest ``keep_states`` (``keep`` always
+    among the kept), an older version's file, and what interrupted saves left behind (a temporary
+    directory is removed only by the process that made it or once that process is gone)."""
+    states = [p for _, p in _states(state_dir) if p != keep]
+    for p in states[:max(0, len(states) - (keep_states - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
     for p in state_dir.iterdir():
-        if p == keep:
-            continue
-        if _NAME.match(p.name) or p.name.startswith(".tmp-trainer_state-"):
+        m = _TMP.match(p.name)
+        if m and (int(m[1]) == os.getpid() or not _pid_alive(int(m[1]))):
             shutil.rmtree(p, ignore_errors=True)
         elif p.name == LEGACY_FILE:
             p.unlink(missing_ok=True)
     fsync_dir(state_dir)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # --- restoring --------------------------------------------------------------------------------
@@ -284,15 +346,45 @@ def _load(run: Run, state: dict, parts: tuple[str, ...]) -> None:
         if "ema" in parts and run.ema is not None and state.get("ema"):
             run.ema.load_state_dict(state["ema"])
         return
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     tensors = _state_dicts(run, parts)
-    with _single_process_quiet():
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(state["path"]), no_dist=True)  # into these tensors
-    # (DCP has already refused a state that lacks any of these tensors; strict=False: tied names are stored once)
+    if state["format"] == 2:  # an older version's torch.distributed.checkpoint directory
+        import torch.distributed.checkpoint as dcp
+
+        with _single_process_quiet():
+            dcp.load(tensors, storage_reader=dcp.FileSystemReader(state["path"]), no_dist=True)  # into these tensors
+    else:
+        _read_into(tensors, state)
+    # (a state that lacks any of these tensors was refused above; strict=False: tied names are stored once)
     set_model_state_dict(run.student, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     if "optimizer" in tensors:
         set_optimizer_state_dict(run.student, run.optimizer, tensors["optimizer"])
     if "ema" in tensors:
         set_model_state_dict(run.ema, tensors["ema"], options=StateDictOptions(strict=False))
+
+
+def _read_into(tensors: dict, state: dict) -> None:
+    """Fill ``tensors`` (the run's state dicts, unsharded) from a state directory: each tensor from the
+    pieces every rank wrote (any number of ranks), each other value from ``meta.pt``."""
+    path = Path(state["path"])
+    pieces: dict[tuple, list] = {}
+    files = [path / f"rank{r}.bin" for r in range(state["ranks"])]
+    try:
+        for r, f in enumerate(files):
+            for e in json.loads((path / f"rank{r}.json").read_text()):
+                pieces.setdefault(tuple(e["key"]), []).append((f, e))
+        for key, leaf in list(_flatten(tensors)):
+            what = f"trainer state {path}: {'.'.join(map(str, key))}"
+            if isinstance(leaf, torch.Tensor):
+                if key not in pieces:
+                    raise ValueError(f"{what} is missing (a state of another model or run?)")
+                with torch.no_grad():
+                    tensor_files.assemble(leaf, pieces[key], what)
+            elif json.dumps(list(key)) in state["objects"]:
+                _set(tensors, key, state["objects"][json.dumps(list(key))])
+    except (OSError, ValueError, KeyError) as e:
+        raise RunError(f"{e}; move {path} away to resume from an older state (or start afresh), or use another "
+                       "output directory") from None
+    finally:
+        tensor_files.release(files)

@@ -1,8 +1,10 @@
-"""The first-batch alignment self-check (``opd.alignment_report``) catches each misalignment it
-is for, planted on the embedded student: a sampler that applies a penalty the recompute does not,
-right-padded prompts with positions counted over the pads, and a teacher that sees the
-completion one token later. The expected figures come from a stand-in sampler written here
-(plain full-sequence forwards, no KV cache, no opdkit code)."""
+"""The alignment self-check (``opd.alignment_report``, the first batch of each start and every
+``runtime.alignment_every`` steps) catches each misalignment it is for, planted on the embedded
+student: a sampler that applies a penalty the recompute does not, right-padded prompts with
+positions counted over the pads, a teacher that sees the completion one token later, and sampled
+tokens outside the recomputed nucleus (the weight-0 share, bounded apart from |dlogp|). The
+expected figures come from a stand-in sampler written here (plain full-sequence forwards, no KV
+cache, no opdkit code)."""
 
 import json
 
@@ -158,6 +160,48 @@ def test_opdkit_train_exits_non_zero_with_the_reason(tmp_path, monkeypatch, caps
                    "-S", "rollout.prompts_per_step=2", "-S", "rollout.samples_per_prompt=1", "-S", "runtime.threads=1",
                    "-S", "runtime.device=cpu", "-S", "rollout.engine=hf"])  # the same on a CUDA machine with vLLM
     err = capsys.readouterr().err
-    assert rc == 1 and "alignment check failed on the first batch" in err
+    assert rc == 1 and "alignment check failed" in err and "differ from the sampling-time ones" in err
     assert json.loads((out / "run.json").read_text())["status"] == "failed"
     assert not list((out / "checkpoints").glob("checkpoint-*"))
+
+
+def test_the_weight0_share_is_reported_and_bounded_apart_from_dlogp(student, tokenizer, prompts):
+    """The kit's engine at top-p 0.5; then each row's last sampled token replaced by an id outside the
+    nucleus there (found from a plain forward of the student, the nucleus chosen in numpy): those tokens
+    get weight 0 in the update. |dlogp| stays that of a faithful sampler; the share is 1 token per row."""
+    import numpy as np
+
+    cfg = replace(CFG, "rollout.top_p=0.5")
+    ro = HFEngine(student, tokenizer).sample(prompts, samples_per_prompt=1, seeds=list(range(4)), temperature=1.0,
+                                             top_p=0.5, max_new_tokens=T_NEW)
+    n_B = ro.completion_mask_B_T.sum(dim=1).long()
+    with torch.no_grad():
+        for b in range(len(prompts)):
+            t = int(n_B[b]) - 1  # the row's last sampled token: nothing after it depends on it
+            ids = torch.cat([ro.prompt_ids_B_Sp[b][ro.prompt_mask_B_Sp[b].bool()], ro.completion_ids_B_T[b, :t]])
+            p_V = student(input_ids=ids[None]).logits[0, -1].double().softmax(-1).numpy()
+            order = np.argsort(-p_V, kind="stable")
+            keep = order[: int(np.searchsorted(np.cumsum(p_V[order]), 0.5)) + 1]
+            ro.completion_ids_B_T[b, t] = int(next(v for v in order if v not in set(keep.tolist())))
+    n_tokens = int(n_B.sum())
+    with pytest.raises(AlignmentError, match=r"a share 0\.0\d+ of the sampled tokens \(4 of \d+\) lies outside the "
+                                             r"top-p nucleus.*runtime\.alignment_max_weight0_share"):
+        _report(student, ro, cfg=cfg)
+    out = _report(student, ro, cfg=replace(cfg, "runtime.alignment_max_weight0_share=0.5"))
+    assert out["recompute_weight0_share"] == pytest.approx(4 / n_tokens)
+    assert out["recompute_max_abs_dlogp"] < 1e-4  # the other tokens are the faithful sampler's
+
+
+def test_the_check_runs_every_n_steps(tmp_path):
+    """runtime.alignment_every=2 over 5 steps: the first batch, then steps 2 and 4 (train.jsonl's alignment)."""
+    from opdkit.train import train
+
+    cfg = replace(CFG, "runtime.alignment_every=2", "budget.max_steps=5", "budget.max_wall_time_s=0",
+                  "rollout.prompts_per_step=2", "rollout.samples_per_prompt=1", "rollout.max_new_tokens=8",
+                  "optim.schedule=constant", "publish.every_steps=0")
+    logs = []
+    train(cfg, tmp_path / "out", log=logs.append, progress=False)
+    rows = [json.loads(ln) for ln in (tmp_path / "out" / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("alignment")] == [1, 2, 4]
+    assert [ln.split(":")[0] for ln in logs if ln.startswith("alignment check passed")] == [
+        f"alignment check passed at step {s}" for s in (1, 2, 4)]

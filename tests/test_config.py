@@ -1,4 +1,6 @@
 import dataclasses
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,15 +55,79 @@ def test_replace_does_not_mutate():
         a.seed = 3  # type: ignore[misc]
 
 
-def test_params_yaml_mirrors_every_key():
-    """params.yaml lists every knob (and nothing unknown): it loads, and has each dataclass key."""
-    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    load_config(ROOT / "params.yaml")
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    """Dotted key -> value of every non-mapping value (a list, of control arms too, is one value)."""
+    out = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
 
-    def keys(d, prefix=""):
-        out = set()
-        for k, v in d.items():
-            out |= keys(v, prefix + k + ".") if isinstance(v, dict) else {prefix + k}
-        return out
 
-    assert keys(raw) == keys(to_dict(Config()))
+def _tracked() -> set[str]:
+    """The params keys dvc.yaml's stages track: their `params:` lists and the ${...} values of their commands and
+    paths (the `vars:` entries are dvc.yaml's own, not params)."""
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    own = {k for entry in dvc.get("vars", []) for k in entry}
+    keys = set()
+    for stage in dvc["stages"].values():
+        for p in stage.get("params", []):
+            keys |= {p} if isinstance(p, str) else {k for ks in p.values() for k in ks}
+        for ref in re.findall(r"\$\{([^}]+)\}", json.dumps(stage)):
+            if ref.split(".")[0] not in own:
+                keys.add(re.sub(r"\[\d+\]$", "", ref))  # pipeline.seeds[0] -> pipeline.seeds
+    return keys
+
+
+def _study_marked(text: str) -> set[str]:
+    """The dotted keys whose line in params.yaml carries a `# study:` reason."""
+    stack, marked = [], set()
+    for line in text.splitlines():
+        m = re.match(r"^( *)([A-Za-z_]\w*):", line)
+        if not m:
+            continue
+        while stack and stack[-1][0] >= len(m[1]):
+            stack.pop()
+        stack.append((len(m[1]), m[2]))
+        if "# study:" in line:
+            marked.add(".".join(k for _, k in stack))
+    return marked
+
+
+def _covered(key: str, tracked: set[str]) -> bool:
+    return any(key == t or key.startswith(t + ".") for t in tracked)
+
+
+def test_params_yaml_is_the_built_in_defaults_plus_the_studys_marked_overlay():
+    """Every params.yaml key either differs from opdkit/config.py's default, and then carries a `# study:` reason,
+    or equals it and is there because a dvc.yaml stage tracks it; nothing unknown."""
+    text = (ROOT / "params.yaml").read_text()
+    written = _leaves(yaml.safe_load(text))
+    resolved, default = _leaves(to_dict(load_config(ROOT / "params.yaml"))), _leaves(to_dict(Config()))
+    differs = {k for k in written if resolved[k] != default[k]}
+    assert differs == _study_marked(text), "mark each key that differs from its default with '# study: <reason>'"
+    pinned_untracked = sorted(k for k in set(written) - differs if not _covered(k, _tracked()))
+    assert not pinned_untracked, f"{pinned_untracked}: at their default and tracked by no stage: leave them out"
+
+
+def test_every_key_the_pipeline_tracks_is_in_params_yaml():
+    """DVC reads each tracked key from params.yaml (`dvc repro` stops on a missing one) and `dvc exp run -S` sets
+    only keys the file has: a tracked section lists every key of its section."""
+    written, default = _leaves(yaml.safe_load((ROOT / "params.yaml").read_text())), _leaves(to_dict(Config()))
+    tracked = _tracked()
+    assert {"loss", "optim", "runtime", "pipeline", "recipe", "loss.name", "budget.max_steps"} <= tracked
+    missing = sorted(k for k in default if _covered(k, tracked) and k not in written)
+    assert not missing, f"dvc.yaml tracks {missing} but params.yaml does not have them"
+
+
+def test_the_studys_overlay_is_what_the_committed_dvc_lock_ran_with():
+    """The `# study:` values are those dvc.lock recorded for the stages that track them (the committed results)."""
+    text = (ROOT / "params.yaml").read_text()
+    written = _leaves(yaml.safe_load(text))
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
+    recorded: dict[str, object] = {}
+    for stage in lock.values():
+        for key, value in stage.get("params", {}).get("params.yaml", {}).items():
+            recorded.update(_leaves(value, key + ".") if isinstance(value, dict) else {key: value})
+    marked = _study_marked(text)
+    assert marked and marked <= set(recorded), sorted(marked - set(recorded))
+    assert {k: recorded[k] for k in marked} == {k: written[k] for k in marked}

@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from opdkit.engines.static import StaticDecoder, half_turn, inference_copy, rotation
+from opdkit.engines.decode_kernels import rotate
+from opdkit.engines.static import StaticDecoder, inference_copy
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import policy_scores, sample_seed, uniform_noise
@@ -104,9 +105,10 @@ def test_fused_layers_follow_weight_updates(tok):
     _compare(model, tok)
 
 
-def test_the_rotation_matrix_is_hf_rotary_embedding():
-    """x @ rotation(cos, sin) equals transformers' own apply_rotary_pos_emb (rotate_half) at each
-    row's position, for queries and keys, in fp32 and within one bf16 rounding in bf16."""
+def test_the_decoders_rotation_is_hf_rotary_embedding():
+    """``decode_kernels.rotate`` (the decode step's rotary embedding, rounded once) equals transformers'
+    own apply_rotary_pos_emb (rotate_half) at each row's position, for queries and keys, in fp32 and
+    within one bf16 rounding in bf16 (HF rounds the two products and their sum separately)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
     cfg = Qwen2Config(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8192)
@@ -116,9 +118,9 @@ def test_the_rotation_matrix_is_hf_rotary_embedding():
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
         q_B_H_D, k_B_K_D = torch.randn(4, 2, 128, dtype=dtype), torch.randn(4, 1, 128, dtype=dtype)
         cos_B_1_D, sin_B_1_D = rope(q_B_H_D, pos_B[:, None])
-        rot_B_D_D = rotation(cos_B_1_D, sin_B_1_D, half_turn(128, dtype, "cpu"))
         # HF's layout: (B, heads, S, D) with cos / sin (B, S, D) unsqueezed over the heads
         want_q, want_k = apply_rotary_pos_emb(q_B_H_D[:, :, None], k_B_K_D[:, :, None], cos_B_1_D, sin_B_1_D)
-        for got, want in ((torch.bmm(q_B_H_D, rot_B_D_D), want_q[:, :, 0]), (torch.bmm(k_B_K_D, rot_B_D_D), want_k[:, :, 0])):
+        for x, want in ((q_B_H_D, want_q[:, :, 0]), (k_B_K_D, want_k[:, :, 0])):
+            got = rotate(x, cos_B_1_D[:, 0], sin_B_1_D[:, 0])
             err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).max()
-            assert err <= tol, (dtype, float(err))  # one bf16 ulp at |x| in [1, 2) is 2^-7: the H200 host's CPU hits it
+            assert err <= tol, (dtype, float(err))  # one bf16 ulp at |x| in [1, 2) is 2^-7

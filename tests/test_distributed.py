@@ -30,9 +30,10 @@ from opdkit.checkpoints import validate_checkpoint
 from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.models import load_model
-from opdkit.setup import RunError, export_state_dict, make_optimizer, trainable_state
+from opdkit.setup import RunError, export_state_dict, make_optimizer
 from opdkit.teacher import unwrap
 from procs import env as child_env
+from student_weights import trainable_state
 
 REPO = Path(__file__).resolve().parents[1]
 # the issue-22 shape: up to 64 new tokens, so the ranks' longest completions differ (39 and 40 tokens at
@@ -71,10 +72,13 @@ def test_vllm_under_torchrun_is_refused_before_anything_is_written_and_auto_pick
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it, and run.sh's --check for NPROC=2
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm is not supported under torchrun with 2 processes"):
         distributed.check_params(load_config(None, ["rollout.engine=vllm"]), distributed.World())
-    monkeypatch.setattr(vllm, "available", lambda: True)  # a CUDA machine with vLLM installed
+    monkeypatch.setattr(vllm, "available", lambda: True)  # a CUDA machine with vLLM installed ...
+    monkeypatch.setattr(select.decode_kernels, "available", lambda: False)  # ... and no Triton
     assert select.engine_name(load_config(None, ["rollout.engine=auto"]), torch.device("cuda")) == "hf"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert select.engine_name(load_config(None, ["rollout.engine=auto"]), torch.device("cuda")) == "vllm"
+    monkeypatch.setattr(select.decode_kernels, "available", lambda: True)  # with Triton: the static decoder's kernels
+    assert select.engine_name(load_config(None, ["rollout.engine=auto"]), torch.device("cuda")) == "hf"
     # run.sh with NPROC=2: bad input (exit 2, one line), and nothing is written
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(REPO / "run.sh"), "rollout.engine=vllm"], cwd=tmp_path, capture_output=True,

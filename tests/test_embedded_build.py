@@ -1,5 +1,6 @@
-"""``opdkit embedded --rebuild`` on a tiny config: deterministic files, and a manifest that records the
-torch build and CPU capability the weights' bits depend on."""
+"""``opdkit embedded --rebuild`` on a tiny config: deterministic files, built in a child interpreter whose
+CPU kernels are held to the instruction set the shipped manifest records, and a manifest that records the
+torch build, that capability and the settings that pinned it."""
 
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ def test_rebuild_is_deterministic_and_records_its_environment(tmp_path):
     a, b = (json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("a", "b"))
     assert a["files"] == b["files"] == file_hashes(tmp_path / "a") and "student/model.safetensors" in a["files"]
     env = a["made"]["environment"]
-    assert env["torch"] == torch.__version__ and env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    from opdkit.embedded.build import PINNED, shipped_capability
+
+    shipped = shipped_capability()
+    assert shipped == "AVX2"  # the shipped models' (AMD EPYC, AVX2), whatever this machine has
+    assert env["torch"] == torch.__version__ and env["cpu_capability"] == shipped and env["pinned"] == PINNED[shipped]
     assert env["threads"] == 1 and env["python"] == platform.python_version()
 
 

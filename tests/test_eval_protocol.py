@@ -32,7 +32,7 @@ def test_each_preset_is_its_seeded_protocol_in_the_resolved_config(name, tmp_pat
     assert {k: getattr(cfg.eval, k) for k in fixed} == fixed
     assert protocol_record(cfg.eval, questions)["protocol_complete"] is True
     assert protocol_record(cfg.eval, questions - 1)["protocol_complete"] is False
-    # a params file's own eval values give way to the preset (params.yaml mirrors every key)
+    # a params file's own eval values give way to the preset (params.yaml lists every eval key)
     p = tmp_path / "params.yaml"
     p.write_text(yaml.safe_dump({"eval": {"protocol": name, "n_samples": 7, "seed": 1, "batch_size": 16}}))
     cfg = load_config(p)
@@ -49,7 +49,7 @@ def test_custom_keeps_the_values_and_the_avg12_preset_leaves_unfixed_keys_free()
     assert (custom.protocol, custom.n_samples, custom.max_new_tokens) == ("custom", 3, 9)
     assert protocol_record(custom, 5) == {"eval_params": {"protocol": "custom", "n_samples": 3, "temperature": 0.7,
                                                           "top_p": 0.9, "max_new_tokens": 9, "seed": 1234,
-                                                          "prompt_format": ""}}
+                                                          "prompt_format": "", "enable_thinking": True}}
     ev = config_from_dict({}, ["eval.protocol=aime24_avg12", "eval.temperature=0.6", "eval.max_new_tokens=100"]).eval
     assert (ev.temperature, ev.max_new_tokens, ev.n_samples, ev.prompt_format) == (0.6, 100, 12, "opsd_eval")
     # a preset switched back to custom keeps its values as custom ones

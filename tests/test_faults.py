@@ -69,8 +69,8 @@ INJECT = {
     "nan_export": """
         import opdkit.distributed as d
         real = d.export_state_dict
-        def patched(model):
-            sd = real(model)
+        def patched(model, **kw):
+            sd = real(model, **kw)
             if WHEN(count()):  # the weights handed to the exporter (the live model stays finite)
                 sd["model.norm.weight"][3] = float("nan")
             return sd
@@ -301,20 +301,25 @@ def rows_or_empty(out: Path) -> list[str]:
     return [ln for ln in (out / "metrics" / "train.jsonl").read_text().splitlines() if ln.endswith("}")]
 
 
-def test_a_stop_signal_sets_a_flag_and_a_second_one_stops_at_once():
+def test_a_stop_signal_sets_a_flag_a_repeat_is_the_same_stop_and_a_later_one_stops_at_once():
     code = textwrap.dedent("""
         import os, signal, time
-        from opdkit.interrupt import requested, stop_on_signals
-        with stop_on_signals():
+        from opdkit import interrupt
+        interrupt.REPEAT_WINDOW_S = 1.0
+        with interrupt.stop_on_signals():
             os.kill(os.getpid(), signal.SIGTERM)  # no exception: the loop reads the flag
-            print("flag", requested(), flush=True)
-            os.kill(os.getpid(), signal.SIGINT)  # the second: the default action, at once
+            print("flag", interrupt.requested(), flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)  # the same stop again (the process group, then a relaying parent)
+            os.kill(os.getpid(), signal.SIGINT)
+            print("still running", flush=True)
+            time.sleep(1.5)
+            os.kill(os.getpid(), signal.SIGINT)  # a second request, after the window: the default action, at once
             time.sleep(30)
-            print("still running")
+            print("not reached")
     """)
     proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=60, env=env())
-    assert proc.stdout == f"flag {int(signal.SIGTERM)}\n" and proc.returncode == -signal.SIGINT
-    assert "SIGTERM received: stopping after the current step" in proc.stderr
+    assert proc.stdout == f"flag {int(signal.SIGTERM)}\nstill running\n" and proc.returncode == -signal.SIGINT
+    assert proc.stderr.count("received: stopping") == 1 and "SIGTERM received: stopping" in proc.stderr
 
 
 @pytest.mark.slow
@@ -327,7 +332,7 @@ def test_sigint_finishes_the_step_saves_state_and_a_sharded_bf16_checkpoint_and_
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-3000:]
-    assert "SIGINT received: stopping after the current step" in stderr and "Traceback" not in stderr
+    assert "SIGINT received: stopping" in stderr and "Traceback" not in stderr
     steps = [r["step"] for r in rows(out)]
     last = steps[-1]
     assert steps == list(range(1, last + 1)) and last < 400

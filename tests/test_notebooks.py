@@ -18,7 +18,7 @@ from opdkit.cli import main
 from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.report import per_question_correct, report, train_metrics
-from opdkit.stages import eval_run
+from opdkit.stages import eval_checkpoints
 from opdkit.stats import paired_question_diff
 from opdkit.train import train
 
@@ -52,10 +52,11 @@ def runs(tmp_path_factory):
     for seed in SEEDS:
         train(load_config(None, [*TINY, f"seed={seed}"]), root / "train" / f"seed{seed}", log=lambda *a: None,
               progress=False)
-        assert eval_run.main(["--run", str(root / "train" / f"seed{seed}"), "--steps", "3", "--data", str(asset("eval")),
-                              "--out", str(root / "eval" / "rkl" / f"seed{seed}.json"),
-                              "--curve-dir", str(root / "curves" / "rkl" / f"seed{seed}"), "--tag", "arm=rkl",
-                              "--tag", f"seed={seed}", "-p", "none", *sum((["-S", s] for s in EVAL), [])]) == 0
+        assert eval_checkpoints.main(["--run", str(root / "train" / f"seed{seed}"), "--steps", "3",
+                                      "--data", str(asset("eval")),
+                                      "--out", str(root / "eval" / "rkl" / f"seed{seed}.json"),
+                                      "--curve-dir", str(root / "curves" / "rkl" / f"seed{seed}"), "--tag", "arm=rkl",
+                                      "--tag", f"seed={seed}", "-p", "none", *sum((["-S", s] for s in EVAL), [])]) == 0
     for arm, model in (("before", asset("student")), ("teacher", asset("teacher"))):
         assert main(["eval", "--model", str(model), "--out", str(root / "eval" / "reference" / f"{arm}.json"),
                      "--tag", f"arm={arm}", "--quiet", *sum((["-S", s] for s in EVAL), [])]) == 0

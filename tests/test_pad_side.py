@@ -1,5 +1,6 @@
 """data.pad_side=right: the released OPSD collator's layout [prompt][pads][completion], the pads masked out
-of attention but consuming RoPE positions; the alignment check that refuses it; the offsets it records."""
+of attention but consuming RoPE positions; the alignment check's span part, which stays on there (the
+released [OPSD align]'s), while the log-prob comparison is skipped; the offsets it records."""
 
 import json
 import subprocess
@@ -82,11 +83,28 @@ def test_pad_offsets_are_the_pads_of_each_row():
     assert teacher_geometry(b).input_ids_B_S.shape == (3, 13 + 3) and student_geometry(b).prompt_width == 5
 
 
-def test_the_alignment_check_refuses_right_padding_and_says_how_to_replay_it(tiny_llama):
+def test_under_right_padding_the_span_check_stays_on_and_the_logprob_comparison_is_skipped(tiny_llama):
+    """The released [OPSD align]: the supervised span is exactly the sampled completion, no pad between the
+    prompt block and it. It passes on the released layout and fails on a span that is not the completion."""
     cfg = config_from_dict({}, ["data.pad_side=right"])
-    with pytest.raises(AlignmentError, match=r"offsets of 1\.7 \(max 3\) positions on the student's side.*"
-                                             r"runtime\.alignment_check=false"):
-        alignment_report(cfg, _batch("right"), tiny_llama, torch.float32)
+    report = alignment_report(cfg, _batch("right"), tiny_llama, torch.float32)
+    assert report["alignment_tokens"] == 6 and report["logprob_check"].startswith("skipped: data.pad_side=right")
+    assert not any(k.endswith("_abs_dlogp") for k in report)
+    bad = _batch("right")
+    bad.rollout.completion_mask_B_T[2] = torch.tensor([1.0, 0.0, 1.0])  # a pad inside row 2's supervised span
+    with pytest.raises(AlignmentError, match="has a gap"):
+        alignment_report(cfg, bad, tiny_llama, torch.float32)
+    from opdkit.opd import check_right_padded_span
+
+    g = student_geometry(_batch("right"))
+    g.input_ids_B_S[1, 5] = 99  # the scored column holds another token than the sampled one
+    with pytest.raises(AlignmentError, match="differ from the sampled completion"):
+        check_right_padded_span(g, torch.tensor(COMPLETIONS), torch.tensor(COMPLETION_MASK), _tensors()[1])
+    g = student_geometry(_batch("right"))
+    g.position_ids_B_S = g.position_ids_B_S.clone()
+    g.position_ids_B_S[:, 5:] += 1  # a pad column between the prompt block and the completion
+    with pytest.raises(AlignmentError, match="a pad sits between the prompt block and the completion"):
+        check_right_padded_span(g, torch.tensor(COMPLETIONS), torch.tensor(COMPLETION_MASK), _tensors()[1])
 
 
 TINY = ["-S", "rollout.prompts_per_step=4", "-S", "rollout.samples_per_prompt=1", "-S", "rollout.max_new_tokens=8",
@@ -99,14 +117,12 @@ def _train(tmp_path, *extra):
                            "--quiet", *TINY, *extra], cwd=tmp_path, env=env(), text=True, capture_output=True, timeout=600)
 
 
-def test_training_with_right_padding_needs_the_check_off_and_records_the_offsets(tmp_path):
+def test_training_with_right_padding_checks_the_span_and_records_the_offsets(tmp_path):
     proc = _train(tmp_path)
-    assert proc.returncode == 1 and "data.pad_side=right scores every completion after" in proc.stderr, proc.stderr[-2000:]
-    assert not list((tmp_path / "out" / "checkpoints").glob("checkpoint-*"))
-    proc = _train(tmp_path, "-S", "runtime.alignment_check=false")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics" / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 2
+    assert rows[0]["alignment"]["logprob_check"].startswith("skipped") and rows[0]["alignment"]["alignment_tokens"] > 0
     for r in rows:  # the embedded prompts differ in length: some rows carry pads, the longest none
         assert 0 < r["pad_offset_student_mean"] < r["pad_offset_student_max"]
         assert r["pad_offset_teacher_mean"] == r["pad_offset_student_mean"]  # teacher.source=model: the same prompts

@@ -36,7 +36,7 @@ def _stages(root: Path):
 def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
     stages = _stages(ROOT)
     names = {name.split("@")[0] for name, _, _ in stages}
-    assert {"embedded", "data", "train", "eval", "report", "study_padding", "study_clipped_mass",
+    assert {"embedded", "data", "offline_rollouts", "train", "eval", "report", "study_padding", "study_clipped_mass",
             "nb_training_dynamics", "nb_eval_comparison", "nb_repeat_runs", "nb_rollout_inspection",
             "nb_study_padding", "nb_study_clipped_mass"} <= names
     for name, cmd, deps in stages:
@@ -54,7 +54,8 @@ def test_every_declared_dep_and_param_exists_and_no_path_is_absolute():
 
 
 # what a stage command that builds a run config (params < recipe < -S) looks like
-BUILDS_A_CONFIG = ("opdkit train ", "opdkit eval ", "opdkit study ", "python -m opdkit.stages.subset ",
+BUILDS_A_CONFIG = ("opdkit train ", "opdkit eval ", "opdkit study ", "opdkit offline-rollouts ",
+                   "python -m opdkit.stages.subset ",
                    "python -m opdkit.stages.train_runs ", "python -m opdkit.stages.eval_runs ",
                    "notebooks/rollout_inspection.ipynb ")
 
@@ -77,7 +78,8 @@ def test_stages_that_build_a_config_pin_the_recipe():
         if builds:
             assert "opdkit/recipes.py" in files, name
             pinned.add(name.split("@")[0])
-    assert pinned == {"data", "train", "eval", "study_padding", "study_clipped_mass", "nb_rollout_inspection"}
+    assert pinned == {"data", "offline_rollouts", "train", "eval", "study_padding", "study_clipped_mass",
+                      "nb_rollout_inspection"}
 
 
 def test_every_seed_and_arm_gets_a_run_and_its_evals(tmp_path):
@@ -108,7 +110,8 @@ def test_every_seed_and_arm_gets_a_run_and_its_evals(tmp_path):
                "-S teacher.path=T -S data.train=D.parquet" in by_name[f"{arms[0]}/seed{seed}"]
         for c in controls:
             assert (f"-S seed={seed} -S loss.name=sft -S loss.sft_source={c['sft_source']} -S teacher.source=model "
-                    f"-S data.pad_side=left -S loss.reward_weight=0 -S budget.max_steps={c['steps']} -S publish.every_steps={c['every_steps']} "
+                    f"-S data.pad_side=left -S loss.reward_weight=0 -S rollout.source=live -S budget.max_steps={c['steps']} "
+                    f"-S publish.every_steps={c['every_steps']} "
                     f"-S experiment_name={c['name']}") in by_name[f"{c['name']}/seed{seed}"]
     # the evals: every kept checkpoint of every run (fake runs here), the last one into runs/eval
     for arm in arms + controls:
@@ -363,7 +366,8 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     text = (repo / recipe).read_text()
     (repo / recipe).write_text(text + "optim:\n  lr: 2.0e-4\n")
     changed = set(json.loads(_dvc(repo, env, "status", "--json")))
-    assert changed == {"data", "train", "eval", "study_padding", "study_clipped_mass", "nb_rollout_inspection"}
+    assert changed == {"data", "offline_rollouts", "train", "eval", "study_padding", "study_clipped_mass",
+                       "nb_rollout_inspection"}
     (repo / recipe).write_text(text)
     assert json.loads(_dvc(repo, env, "status", "--json")) == {}
 

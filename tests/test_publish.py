@@ -28,7 +28,6 @@ from opdkit import fsutil, publish
 from opdkit.checkpoints import (
     InvalidCheckpoint,
     is_valid_checkpoint,
-    latest_valid_checkpoint,
     list_checkpoints,
     surviving_checkpoints_message,
     validate_checkpoint,
@@ -160,7 +159,6 @@ def test_retention_keeps_the_newest_n_and_never_the_new_one(tmp_path):
     export(tmp_path, 50, parts, keep=2, log=logs.append)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-40", "checkpoint-45", "checkpoint-50"]
     assert any("leaving" in line and "checkpoint-45" in line for line in logs)
-    assert latest_valid_checkpoint(tmp_path) == tmp_path / "checkpoint-50"
     assert surviving_checkpoints_message(tmp_path) == "surviving valid checkpoints: checkpoint-40, checkpoint-50"
     assert surviving_checkpoints_message(tmp_path / "nope") == f"no valid checkpoint survives in {tmp_path / 'nope'}"
 
@@ -415,3 +413,24 @@ def test_sigkill_at_random_moments_leaves_only_valid_checkpoints(tmp_path):
         last = max(int(p.name.split("-")[1]) for p in ckpts)
         export(root, last + 1, tiny_parts(tie=True), keep=2, log=lambda line: None)
         assert temp_dirs(root) == [] and len(list_checkpoints(root)) == 2
+
+
+def test_the_weights_are_hashed_while_written_and_check_hashes_verifies_them(tmp_path, monkeypatch):
+    """The weights' record is the chunked sha256 of the file as it lies on disk (a read-back computes the same),
+    over several chunks; a changed byte is caught by validate_checkpoint(check_hashes=True)."""
+    import hashlib
+
+    from opdkit import weights_io
+    monkeypatch.setattr(weights_io, "HASH_CHUNK", 1024)  # the tiny model's weights span many chunks
+    final = export(tmp_path / "ckpts", 1, tiny_parts(), log=lambda s: None)
+    record = json.loads((final / "opdkit.json").read_text())["files"]["model.safetensors"]
+    data = (final / "model.safetensors").read_bytes()
+    chunks = [hashlib.sha256(data[i:i + 1024]).digest() for i in range(0, len(data), 1024)]
+    assert len(chunks) > 10
+    assert record == {"size": len(data), "chunked_sha256": hashlib.sha256(b"".join(chunks)).hexdigest()}
+    validate_checkpoint(final, full=False, check_hashes=True)
+    with open(final / "model.safetensors", "r+b") as f:  # one byte of a weight changed, the size kept
+        f.seek(len(data) - 3)
+        f.write(bytes([data[-3] ^ 1]))
+    with pytest.raises(InvalidCheckpoint, match="model.safetensors does not match the sha256"):
+        validate_checkpoint(final, full=False, check_hashes=True)

@@ -47,15 +47,15 @@ FAULTS = {
     """,
     "slow_state": """
         import time
-        import torch.distributed.checkpoint.filesystem as fs
+        import opdkit.tensor_files as tf
 
-        real = fs._write_item
+        real = tf._pwrite_all
 
         def slow(*a, **k):  # each tensor of the trainer state takes a while: a wide window to kill in
             time.sleep(0.05)
             return real(*a, **k)
 
-        fs._write_item = slow
+        tf._pwrite_all = slow
     """,
 }
 

@@ -14,7 +14,7 @@ def _load(name, *overrides):
     return load_config(ROOT / "params.yaml", ROOT / "recipes" / f"{name}.yaml", list(overrides))
 
 
-# --- the seeded runs' settings, written from the seed documents (../shared/seeds), not from the recipes ---------
+# --- the seeded runs' settings, written from the seed documents (docs/replays.md), not from the recipes ----------
 
 # seed 000, "How the baseline works": k1 OPD of all student weights with a frozen teacher, 4 samples of each of
 # 2 prompts at temperature 1.0 up to 7,168 tokens, AdamW at a constant 1e-6 with no warmup (Probe C's "ten-step
@@ -24,13 +24,15 @@ S1_BASELINE = {
     "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 4, "rollout.temperature": 1.0,
     "rollout.max_new_tokens": 7168, "optim.lr": 1e-6, "optim.schedule": "constant", "optim.warmup_steps": 0,
     "data.order": "stored", "publish.every_steps": 20, "publish.keep": 3, "budget.max_steps": 2200,
+    "publish.state_every_steps": 20, "publish.keep_states": 3,  # verl saved everything every 20 steps, kept 3
     "eval.protocol": "aime_final", "eval.n_samples": 32, "eval.max_new_tokens": 31744,
 }
 # seed 000, "How the submitted method works" (what its formal replay ran): the same data, sampling, signal and
 # update, with an elapsed-time cosine from 1e-6 toward 1e-7, a nonbinding 4,000-step cap, HF saves every 100
 # steps with retention three
 S1_FORMAL = {**S1_BASELINE, "optim.schedule": "wallclock_cosine", "optim.lr": 1e-6, "optim.min_lr": 1e-7,
-             "budget.max_steps": 4000, "publish.every_steps": 100, "publish.keep": 3}
+             "budget.max_steps": 4000, "publish.every_steps": 100, "publish.keep": 3,
+             "publish.state_every_steps": 100, "publish.keep_states": 1}
 S1_SECONDS_PER_STEP, S1_WALL_S = 20.14, 12 * 3600  # seed 002's shipped-solution throughput; the 12-hour retrain
 
 # seed 004, recipe.env and "Code switches": learning_rate=5e-6 (constant), lora_r=64, lora_alpha=128, beta=0,
@@ -47,6 +49,9 @@ OPSD_RELEASED = {
     "data.teacher_context": "solution", "data.filters.answer_regex": "", "data.filters.min_reference_tokens": 0,
     "data.filters.exclude_sources": (), "data.filters.top_reference_fraction": 1.0,
     "eval.protocol": "aime24_avg12", "eval.n_samples": 12, "eval.seed": 20260610,
+    # recipe.env's teacher_thinking=false, and seed 003's "thinking-mode student rollouts -8.4" (an ablation of
+    # the released non-thinking student)
+    "data.enable_thinking": False, "data.teacher_enable_thinking": False,
 }
 # seed 004's shipped change: lr_scheduler_type=cosine (HF: from the lr at step 0 to 0 at the last step), nothing else
 OPSD_COSINE = {**OPSD_RELEASED, "optim.schedule": "cosine", "optim.lr": 5e-6, "optim.min_lr": 0.0}

@@ -244,3 +244,61 @@ def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(
     assert all(is_valid_checkpoint(c) == (True, "ok") for c in ckpts)
     assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
     assert_same_weights(out / "checkpoints" / "checkpoint-6", kill_reference / "checkpoints" / "checkpoint-6")
+
+
+# --- the state's cadence apart from the export's: checkpoints newer than the newest state ------------------------
+
+
+@pytest.fixture(scope="module")
+def eight_steps(tmp_path_factory) -> Path:
+    """8 steps in one go, a checkpoint every 2: the reference for the replays below."""
+    out = tmp_path_factory.mktemp("eight") / "out"
+    result, _ = quiet_train(cfg("budget.max_steps=8", "publish.every_steps=2"), out)
+    assert result.step == 8
+    return out
+
+
+def test_a_start_behind_a_newer_checkpoint_replays_the_steps_without_exporting_them(tmp_path, eight_steps):
+    out = tmp_path / "out"
+    # a state every 4 steps, a checkpoint every 2; the run killed after checkpoint-6 was published but before its
+    # state: the newest state is step 4's
+    run = ("budget.schedule_steps=8", "publish.every_steps=2", "publish.state_every_steps=4", "publish.keep_states=2")
+    first, _ = quiet_train(cfg("budget.max_steps=6", *run), out)
+    assert first.step == 6 and [p.name for p in (out / "state").iterdir()] == ["trainer_state-4", "trainer_state-6"]
+    shutil.rmtree(out / "state" / "trainer_state-6")
+    result, logs = quiet_train(cfg("budget.max_steps=8", *run), out)
+    assert "resuming from" in logs and "trainer_state-4" in logs
+    assert "checkpoint-6 is newer than the trainer state this start resumes from (step 4): steps 5..6 are trained " \
+           "again and not exported" in logs
+    assert "replacing existing" not in logs and logs.count("published ") == 1  # checkpoint-8 only
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert (result.step, result.final_checkpoint) == (8, "checkpoint-8")
+    assert_same_weights(out / "checkpoints" / "checkpoint-8", eight_steps / "checkpoints" / "checkpoint-8")
+    assert [r["step"] for r in metric_rows(out)] == list(range(1, 9))
+
+
+def test_with_the_state_only_at_the_end_a_run_killed_before_it_starts_again_and_keeps_its_checkpoints(tmp_path, eight_steps):
+    out = tmp_path / "out"
+    run = ("budget.schedule_steps=8", "publish.every_steps=2", "publish.state_every_steps=0")
+    first, logs = quiet_train(cfg("budget.max_steps=4", *run), out)
+    assert logs.count("saved the trainer state") == 1  # at the end only
+    shutil.rmtree(out / "state")  # killed before that one state was written
+    result, logs = quiet_train(cfg("budget.max_steps=8", *run), out)
+    assert "resuming from" not in logs and "checkpoint-4 is newer than the trainer state" in logs
+    assert logs.count("published ") == 2 and "replacing existing" not in logs  # checkpoint-6 and -8
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert_same_weights(out / "checkpoints" / "checkpoint-8", eight_steps / "checkpoints" / "checkpoint-8")
+    run_json = json.loads((out / "run.json").read_text())
+    assert run_json["run_id"] and run_json["final_checkpoint"] == "checkpoint-8"
+    assert json.loads((out / "checkpoints" / "checkpoint-8" / "opdkit.json").read_text())["run_id"] == run_json["run_id"]
+
+
+def test_a_start_whose_budget_is_spent_behind_a_newer_checkpoint_ends_at_once_naming_that_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    run = ("publish.every_steps=2", "publish.state_every_steps=4", "publish.keep_states=2", "optim.schedule=constant")
+    quiet_train(cfg("budget.max_steps=6", *run), out)
+    shutil.rmtree(out / "state" / "trainer_state-6")
+    # the time the lost steps took is spent: this start stops before any step and publishes nothing older
+    result, logs = quiet_train(cfg("budget.max_steps=6", "budget.max_wall_time_s=1", "budget.deadline_reserve_s=0.99", *run), out)
+    assert (result.reason, result.step, result.final_checkpoint) == ("wall_clock", 4, "checkpoint-6")
+    assert "published " not in logs and [c.name for c in list_checkpoints(out / "checkpoints")][-1] == "checkpoint-6"

@@ -355,3 +355,67 @@ def test_opdkit_eval_exits_75_while_training_holds_the_gpu_and_runs_once_it_is_r
     proc = _eval(tmp_path, lock)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "eval.json").read_text())["n_questions"] == 2
+
+
+# --- where the checkpoints go with only the orchestrator's variables; the evaluator and other GPU processes ------
+
+
+def _out_of_run_sh(tmp_path: Path, **env_vars) -> tuple[subprocess.CompletedProcess, str]:
+    """run.sh's output line and the --out it hands the trainer (a fake python records it and stops there)."""
+    record = tmp_path / "train.argv"
+    fake_python = _fake_command(tmp_path / "python", (
+        f'if [[ "$1 $2 $3" == "-m opdkit train" ]]; then shift 2; printf "%s\\n" "$@" > {record}; exit 2; fi\n'
+        f'exec {sys.executable} "$@"\n'))
+    proc = run_sh(tmp_path, PYTHON=str(fake_python), **env_vars)
+    argv = record.read_text().splitlines()
+    return proc, argv[argv.index("--out") + 1]
+
+
+def test_without_output_dir_run_sh_writes_under_the_contracts_out_when_it_is_there_else_under_dot_out(tmp_path):
+    contract = tmp_path / "contract_out"  # /out on the orchestrator's machine
+    contract.mkdir()
+    proc, out = _out_of_run_sh(tmp_path, OPDKIT_CONTRACT_OUT=str(contract))
+    assert out == str(contract)
+    assert f"run.sh: OUTPUT_DIR unset: writing to {contract} (the contract's layout: checkpoints in {contract}/checkpoints/)" \
+        in proc.stdout
+    missing = tmp_path / "no_such_dir"
+    proc, out = _out_of_run_sh(tmp_path, OPDKIT_CONTRACT_OUT=str(missing))
+    assert out == "out"
+    assert f"run.sh: OUTPUT_DIR unset and {missing} does not exist: writing to ./out (set OUTPUT_DIR to choose)" in proc.stdout
+    proc, out = _out_of_run_sh(tmp_path, OPDKIT_CONTRACT_OUT=str(contract), OUTPUT_DIR=str(tmp_path / "mine"))
+    assert out == str(tmp_path / "mine") and "OUTPUT_DIR unset" not in proc.stdout
+
+
+def _fake_nvidia_smi(bin_dir: Path, apps: str) -> Path:
+    """An nvidia-smi that lists ``apps`` (lines of pid, name, gpu uuid; $PPID: the process that asks) on GPU 0."""
+    bin_dir.mkdir(exist_ok=True)
+    return _fake_command(bin_dir / "nvidia-smi", (
+        'case "$*" in\n'
+        f'  *query-compute-apps*) printf "%s\\n" {apps} ;;\n'
+        '  *query-gpu*) printf "0, GPU-aaaa\\n1, GPU-bbbb\\n" ;;\n'
+        '  *) exit 9 ;;\nesac\n'))
+
+
+def _eval_with_path(tmp_path: Path, bin_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opdkit", "eval", "--model", str(asset("student")), "--out",
+                           str(tmp_path / "eval.json"), "-p", "none", "--quiet", *sum((["-S", kv] for kv in
+                           [*GPU, "eval.max_questions=2", "eval.n_samples=1", "eval.max_new_tokens=8"]), [])],
+                          cwd=tmp_path, text=True, capture_output=True, timeout=300,
+                          env=env(OPDKIT_GPU_LOCK=str(tmp_path / "gpu.lock"), CUDA_VISIBLE_DEVICES="",
+                                  PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"))
+
+
+def test_opdkit_eval_exits_75_naming_another_compute_process_on_its_gpu_and_ignores_itself_and_other_gpus(tmp_path):
+    bin_dir = tmp_path / "bin"
+    _fake_nvidia_smi(bin_dir, '"4242, /usr/bin/python3 -m vllm.entrypoints.openai.api_server, GPU-aaaa"')
+    proc = _eval_with_path(tmp_path, bin_dir)
+    assert proc.returncode == 75, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line == ("opdkit: GPU 0 is in use by another compute process (pid 4242: /usr/bin/python3 -m "
+                    "vllm.entrypoints.openai.api_server); an evaluation starts once it has exited (nvidia-smi lists it)")
+    assert not (tmp_path / "eval.json").exists()
+    # the process asking (the evaluation itself) and a process on another GPU do not count
+    _fake_nvidia_smi(bin_dir, '"$PPID, python3, GPU-aaaa" "777, python3 train.py, GPU-bbbb"')
+    proc = _eval_with_path(tmp_path, bin_dir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["n_questions"] == 2

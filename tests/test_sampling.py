@@ -85,3 +85,56 @@ def test_sampled_frequencies_match_the_truncated_softmax_at_v_151936(T, top_p):
     assert len(observed) >= 2
     p_value = stats.chisquare(observed, expected).pvalue
     assert p_value > 1e-3, (observed, expected, p_value)
+
+
+# --- ties at the nucleus' edge -------------------------------------------------------------------------------
+
+
+def _numpy_nucleus(z: np.ndarray, top_p: float) -> set[int]:
+    """The nucleus by the rule opdkit states: most probable first, equal logits lower id first (numpy's
+    stable argsort of -z), the smallest prefix whose mass reaches top_p."""
+    order = np.argsort(-z, kind="stable")
+    p = np.exp(z - z.max())
+    p = p[order] / p.sum()
+    before = np.cumsum(p) - p
+    return set(order[before < top_p].tolist())
+
+
+def _vllm_pytorch_nucleus(z: np.ndarray, top_p: float) -> set[int]:
+    """vLLM's PyTorch top-p (v1/sample/ops/topk_topp_sampler.py ``apply_top_k_top_p_pytorch``), re-written in
+    numpy: ascending sort (equal logits in id order, as a stable sort gives them), drop the entries whose
+    cumulative mass from the bottom is <= 1 - top_p, keep the last."""
+    order = np.argsort(z, kind="stable")
+    p = np.exp(z - z.max())
+    cum = np.cumsum(p[order] / p.sum())
+    drop = cum <= 1 - top_p
+    drop[-1] = False
+    return set(order[~drop].tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_tie_at_the_nucleus_edge_keeps_the_lower_id_in_the_update_and_in_the_engines(dtype):
+    """Three equal logits where the nucleus ends: the update's policy (policy_logits), and the engines'
+    (policy_scores: HF generate, the static decoder) keep the lowest of the tied ids that fit, at the real
+    vocabulary size too; vLLM's PyTorch rule, re-written from its code, keeps the highest instead."""
+    from opdkit.engines.sampling import policy_logits
+
+    z = np.full(V, -30.0)
+    z[[9, 40_000, 151_000]] = 1.0  # tied
+    z[77] = 1.5
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    top_p = float(p[77] + 1.5 * p[9])  # id 77, then one and a half of the tied ids' mass: two of the three fit
+    assert _numpy_nucleus(z, top_p) == {77, 9, 40_000}
+    assert _vllm_pytorch_nucleus(z, top_p) == {77, 40_000, 151_000}  # the other way round
+    z_V = torch.tensor(z, dtype=dtype)
+    kept = torch.isfinite(policy_logits(z_V, 1.0, top_p)).nonzero()[:, 0].tolist()
+    assert set(kept) == {77, 9, 40_000}
+    _, logp_1_V = policy_scores(z_V[None], torch.tensor([3]), 0, 1.0, top_p)
+    assert set(torch.isfinite(logp_1_V[0]).nonzero()[:, 0].tolist()) == {77, 9, 40_000}
+    # random logits with many ties (rounded to bf16's grid), many settings: always the stated rule
+    g = np.random.default_rng(1)
+    for trial in range(20):
+        w = torch.tensor(g.normal(0, 2, 4096)).to(torch.bfloat16).double().numpy()
+        tp = float(g.uniform(0.3, 0.99))
+        got = set(torch.isfinite(policy_logits(torch.tensor(w, dtype=dtype), 1.0, tp)).nonzero()[:, 0].tolist())
+        assert got == _numpy_nucleus(w, tp), trial

@@ -84,6 +84,18 @@ def test_wallclock_horizon_is_when_the_loop_stops():
     assert schedules.wallclock_horizon_s(100.0, 10.0, 4.0) == 86.0
     assert schedules.wallclock_horizon_s(100.0, 10.0, 95.0) == approx(1e-9)  # passed: min_lr
     assert schedules.wallclock_horizon_s(0.0, 10.0, 4.0) == 0.0  # no wall budget
+    assert schedules.wallclock_horizon_s(100.0, 10.0, 4.0, save_s=20.0) == 66.0  # the final saves come first
+
+
+def test_the_stop_rule_counts_the_next_step_and_the_final_saves():
+    from opdkit.config import load_config
+
+    cfg = load_config(None, ["budget.max_wall_time_s=100", "budget.deadline_reserve_s=10", "budget.max_steps=50"])
+    # elapsed + next step + saves + reserve against the budget: 60 + 5 + 24 + 10 = 99 < 100 runs, 25 s of saves stops
+    assert schedules.should_stop(cfg, 3, 60.0, 5.0, 24.0) is None
+    assert schedules.should_stop(cfg, 3, 60.0, 5.0, 25.0) == "wall_clock"
+    assert schedules.should_stop(cfg, 50, 0.0, 0.0, 0.0) == "step_horizon"
+    assert schedules.should_stop(load_config(None, ["budget.max_wall_time_s=0"]), 3, 1e9, 5.0, 1e9) is None
 
 
 def test_wallclock_clock_starts_at_the_first_step():

@@ -89,7 +89,9 @@ def _run_files(run: Path) -> dict:
     ckpts = {p.name: (p / "model.safetensors").read_bytes() for p in sorted((run / "checkpoints").iterdir())}
     rows = [{k: v for k, v in json.loads(ln).items() if k not in TIME_KEYS}
             for ln in (run / "metrics" / "train.jsonl").read_text().splitlines()]
-    end = {k: v for k, v in json.loads((run / "run.json").read_text()).items() if k != "elapsed_s"}
+    # (the end's clock readings: elapsed, the final saves' end, each save's seconds, the stop's reserve)
+    end = {k: v for k, v in json.loads((run / "run.json").read_text()).items()
+           if k not in ("elapsed_s", "ended_s", "saves", "stop", "run_id")}
     return {"checkpoints": ckpts, "metrics": rows, "run": end}
 
 
@@ -116,7 +118,8 @@ def test_a_control_s_reuse_ignores_exactly_the_knobs_it_does_not_read():
     base = {j.name: j.config for j in train_jobs(str(params), "S", "T", "D", "runs/train", "logs")}
     values = {"teacher.ema_decay": 0.5, "loss.clip_eps": 0.3, "loss.dual_clip": 0.0, "loss.topk": 4,
               "loss.tail_bucket": False, "loss.jsd_beta": 0.9, "loss.clip": "entry", "loss.clip_tau": 0.5,
-              "loss.reward_baseline": "loo", "loss.reward_norm": "std"}
+              "loss.reward_baseline": "loo", "loss.reward_norm": "std", "rollout.offline_file": "POOL",
+              "rollout.offline_ratio": "none"}
     assert set(values) == set(CONTROL_IGNORES)
     for key, value in values.items():
         changed = {j.name: j.config for j in train_jobs(str(params), "S", "T", "D", "runs/train", "logs",
@@ -133,7 +136,8 @@ def test_an_sft_control_trains_the_same_whatever_the_keys_its_reuse_ignores(tmp_
 
     ctl = [*TINY, "budget.max_steps=2", "loss.name=sft", "loss.sft_source=teacher", "teacher.source=model"]
     other = ["teacher.ema_decay=0.5", "loss.clip_eps=0.3", "loss.dual_clip=0", "loss.topk=4", "loss.tail_bucket=false",
-             "loss.jsd_beta=0.9", "loss.clip=entry", "loss.clip_tau=0.5", "loss.reward_baseline=loo", "loss.reward_norm=std"]
+             "loss.jsd_beta=0.9", "loss.clip=entry", "loss.clip_tau=0.5", "loss.reward_baseline=loo", "loss.reward_norm=std",
+             "rollout.offline_file=POOL", "rollout.offline_ratio=none"]
     assert {o.split("=")[0] for o in other} == set(CONTROL_IGNORES)
     for name, sets in (("base", ctl), ("other", ctl + other)):
         train(load_config(None, sets), tmp_path / name, log=lambda *a: None, progress=False)

@@ -5,7 +5,7 @@ from opdkit import losses
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
 from opdkit.teacher import (AlignmentError, build_geometry, check_alignment, completion_hidden, full_logprobs,
-                            score, token_logprobs, topk_logprobs, unwrap)
+                            token_logprobs, topk_logprobs, unwrap)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,9 @@ def test_teacher_equal_student_gives_zero_advantage_whatever_the_padding(tiny_ll
     pad = torch.full((ro.prompt_ids_B_Sp.shape[0], extra), tok.pad_token_id)
     g_pad = build_geometry(torch.cat([pad, ro.prompt_ids_B_Sp], 1), torch.cat([torch.zeros_like(pad), ro.prompt_mask_B_Sp], 1),
                            ro.completion_ids_B_T, ro.completion_mask_B_T)
-    s = score(tiny_llama, g, ro.completion_ids_B_T, "sampled", 4, 8).logp_B_T
-    t = score(tiny_llama, g_pad, ro.completion_ids_B_T, "sampled", 4, 8).logp_B_T
+    with torch.no_grad():  # the sampled tokens' log-probs, as the teacher scores them (opd.teacher_context)
+        s, t = (token_logprobs(unwrap(tiny_llama)[1], completion_hidden(tiny_llama, geom), ro.completion_ids_B_T, 8)
+                for geom in (g, g_pad))
     m = ro.completion_mask_B_T
     assert ((t - s) * m).abs().max() < 1e-5
     logp = s.clone().requires_grad_(True)

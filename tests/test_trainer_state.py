@@ -9,15 +9,17 @@ fresh run that restored the state.
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 import torch
 
-from opdkit import trainer_state
+from opdkit import tensor_files, trainer_state
 from opdkit.config import load_config
 from opdkit.fsutil import StorageError
-from opdkit.setup import build_run, prepare_inputs, trainable_state
+from opdkit.setup import build_run, prepare_inputs
 from opdkit.teacher import unwrap
+from student_weights import trainable_state
 
 BASE = ["runtime.threads=1", "budget.max_steps=4", "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant",
         "publish.backoff_s=0"]
@@ -86,9 +88,8 @@ def test_the_tied_head_is_stored_once_and_restored_with_the_embedding(tmp_path):
     assert base.lm_head.weight is base.model.embed_tokens.weight  # the shipped student ties them
     _step(live)
     trainer_state.save(tmp_path, live, step=1, elapsed=0.0, data_pos=0, log=lambda *_: None)
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = set(FileSystemReader(trainer_state.find(tmp_path)).read_metadata().state_dict_metadata)
+    index = json.loads((trainer_state.find(tmp_path) / "rank0.json").read_text())
+    keys = {".".join(map(str, e["key"])) for e in index}
     assert "model.model.embed_tokens.weight" in keys and "model.lm_head.weight" not in keys
     resumed = _run()
     trainer_state.restore(resumed, trainer_state.peek(tmp_path))
@@ -97,12 +98,10 @@ def test_the_tied_head_is_stored_once_and_restored_with_the_embedding(tmp_path):
 
 
 def test_a_transient_write_error_is_retried_and_a_new_state_replaces_the_old(tmp_path, monkeypatch):
-    import torch.distributed.checkpoint.filesystem as fs
-
     live = _run()
     _step(live)
     trainer_state.save(tmp_path, live, step=1, elapsed=0.0, data_pos=4, log=lambda *_: None)
-    real, calls = fs._write_item, []
+    real, calls = tensor_files._pwrite_all, []
 
     def flaky(*a, **k):  # the NFS server went away for a moment, in the middle of the tensors
         calls.append(1)
@@ -110,7 +109,7 @@ def test_a_transient_write_error_is_retried_and_a_new_state_replaces_the_old(tmp
             raise OSError(errno.ESTALE, "Stale file handle")
         return real(*a, **k)
 
-    monkeypatch.setattr(fs, "_write_item", flaky)
+    monkeypatch.setattr(tensor_files, "_pwrite_all", flaky)
     _step(live)
     logs: list[str] = []
     path = trainer_state.save(tmp_path, live, step=2, elapsed=1.0, data_pos=8, log=logs.append)
@@ -122,8 +121,6 @@ def test_a_transient_write_error_is_retried_and_a_new_state_replaces_the_old(tmp
 
 
 def test_a_read_only_file_system_is_not_retried_and_the_previous_state_stays(tmp_path, monkeypatch):
-    import torch.distributed.checkpoint.filesystem as fs
-
     live = _run()
     _step(live)
     trainer_state.save(tmp_path, live, step=1, elapsed=0.0, data_pos=4, log=lambda *_: None)
@@ -133,7 +130,7 @@ def test_a_read_only_file_system_is_not_retried_and_the_previous_state_stays(tmp
         calls.append(1)
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(fs, "_write_item", erofs)
+    monkeypatch.setattr(tensor_files, "_pwrite_all", erofs)
     _step(live)
     with pytest.raises(StorageError, match=r"state is on a read-only file system: the trainer state at step 2 needs"):
         trainer_state.save(tmp_path, live, step=2, elapsed=1.0, data_pos=8, log=lambda *_: None)
@@ -174,3 +171,80 @@ def test_a_damaged_state_is_refused_with_what_to_do(tmp_path):
     (tmp_path / "state" / "trainer_state-3" / "meta.pt").write_bytes(b"not a pickle")
     with pytest.raises(Exception, match=r"trainer state .*trainer_state-3 cannot be read .* move it away"):
         trainer_state.peek(tmp_path)
+
+
+def test_the_newest_keep_states_are_kept_and_a_live_writers_leftover_is_left_alone(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    live = _run("publish.keep_states=2")
+    state_dir = tmp_path / "state"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # another live process's save
+    try:
+        state_dir.mkdir()
+        theirs = state_dir / f".tmp-trainer_state-9-{other.pid}-1"
+        dead = state_dir / ".tmp-trainer_state-8-999999999-1"  # no such pid: a killed save's leftover
+        ours = state_dir / f".tmp-trainer_state-7-{os.getpid()}-1"  # a failed attempt of this process
+        for d in (theirs, dead, ours):
+            d.mkdir()
+        for step in (1, 2, 3):
+            _step(live)
+            trainer_state.save(tmp_path, live, step=step, elapsed=float(step), data_pos=4 * step, log=lambda *_: None)
+        assert sorted(p.name for p in state_dir.iterdir()) == [theirs.name, "trainer_state-2", "trainer_state-3"]
+    finally:
+        other.kill()
+        other.wait()
+    resumed = _run("publish.keep_states=2")
+    trainer_state.restore(resumed, trainer_state.peek(tmp_path))
+    _assert_same(live, resumed)
+
+
+def test_a_state_whose_shards_came_from_two_ranks_is_assembled_whole(tmp_path):
+    """The pieces of each tensor as two ranks of a row-sharded run write them (rank r: rows r*n/2 .. (r+1)*n/2
+    - 1, the plain tensors on rank 0 only) restore the unsharded run exactly."""
+    from opdkit import distributed
+
+    live = _run()
+    _step(live)
+    path = trainer_state.save(tmp_path, live, step=1, elapsed=0.0, data_pos=4, log=lambda *_: None)
+    whole = json.loads((path / "rank0.json").read_text())
+    pieces: list[list] = [[], []]
+    for e in whole:
+        t = tensor_files.view(path / "rank0.bin", e).clone()
+        if t.dim() == 0 or t.shape[0] < 2:
+            pieces[0].append((e["key"], t, list(t.shape), [0] * t.dim()))
+            continue
+        half = t.shape[0] // 2
+        for r, rows in enumerate((t[:half], t[half:])):
+            pieces[r].append((e["key"], rows, list(t.shape), [r * half] + [0] * (t.dim() - 1)))
+    tensor_files.release([path / "rank0.bin"])
+    for r in (0, 1):
+        entries, _ = tensor_files.write_file(path / f"rank{r}.bin", iter(pieces[r]))
+        (path / f"rank{r}.json").write_text(json.dumps(entries))
+    meta = torch.load(path / "meta.pt", weights_only=False)
+    torch.save({**meta, "ranks": 2}, path / "meta.pt")
+    resumed = _run()
+    trainer_state.restore(resumed, trainer_state.peek(tmp_path))
+    _assert_same(live, resumed)
+    (path / "rank1.bin").unlink()  # a rank's file lost: refused, saying what to do
+    with pytest.raises(Exception, match=r"move .*trainer_state-1 away to resume from an older state"):
+        trainer_state.restore(_run(), trainer_state.peek(tmp_path))
+    assert distributed.current().size == 1
+
+
+def test_a_state_of_the_previous_version_torch_distributed_checkpoint_is_still_read(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    live = _run()
+    _step(live)
+    path = tmp_path / "state" / "trainer_state-1"
+    with trainer_state._single_process_quiet():  # what the previous version wrote: DCP + meta.pt of format 2
+        dcp.save(trainer_state._state_dicts(live), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    torch.save({"format": 2, "step": 1, "elapsed_s": 2.0, "data_pos": 4, "lr_clock_start_s": 1.5, "rng": torch.get_rng_state(),
+                "rng_cuda": None, "config": {}, "data_fingerprint": live.inputs.data_fingerprint}, path / "meta.pt")
+    resumed = _run()
+    trainer_state.restore(resumed, trainer_state.peek(tmp_path))
+    _assert_same(live, resumed)
+    trainer_state.save(tmp_path, resumed, step=2, elapsed=4.0, data_pos=8, log=lambda *_: None)
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["trainer_state-2"]

@@ -241,7 +241,9 @@ def test_auto_picks_hf_without_vllm_or_cuda(tiny_llama, tok):
 
     cfg = load_config(None, ["rollout.engine=auto"])
     assert engine_name(cfg, torch.device("cpu")) == "hf"
-    if not HAVE_VLLM:
+    from opdkit.engines import decode_kernels
+
+    if not HAVE_VLLM or decode_kernels.available():
         assert engine_name(cfg, torch.device("cuda")) == "hf"
         assert isinstance(make_engine(cfg, tiny_llama, tok), HFEngine)
 

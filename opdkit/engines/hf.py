@@ -15,6 +15,9 @@ one) and record log π of each sampled token: the policy it was drawn from, temp
 top-p-truncated over those ids (``engines.sampling``'s convention; recorded whatever
 ``sample``'s ``logprobs`` says: they cost nothing here).
 
+Both decode loops call ``interrupt.check_abandon()`` between tokens: a rollout armed by the training
+loop ends there (``StepAbandoned``) once a stop signal arrives or its wall-budget deadline passes.
+
 ``own_copy=True`` (the one-step-off rollout, ``opdkit.overlap``): ``generate`` runs on a frozen
 copy of the policy that ``sync_weights`` refreshes, not on the live model, so the trainer may
 update the live weights while a rollout is drawn (the static decoder holds a copy anyway).
@@ -29,6 +32,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from opdkit import interrupt
 from opdkit.engines.base import Rollout, completion_mask, concat, left_pad, pad_and_eos, sampling_vocab
 from opdkit.engines.sampling import SeededSampler
 from opdkit.engines.static import StaticDecoder
@@ -93,6 +97,7 @@ def decode(model, ids_B_Sp, mask_B_Sp, sampler, *, max_new_tokens: int, eos_ids:
     live_B = torch.ones(B, dtype=torch.long, device=ids_B_Sp.device)
     out = model(input_ids=ids_B_Sp, attention_mask=mask_B_S, position_ids=(mask_B_S.cumsum(-1) - 1).clamp_min(0), **kw)
     for t in range(max_new_tokens):
+        interrupt.check_abandon()  # a stop signal or the wall budget ends the rollout here (StepAbandoned)
         scores_B_V = sampler(seq_B_S, out.logits[:, -1].to(copy=True, dtype=torch.float32))
         next_B = scores_B_V.argmax(-1) * live_B + pad_id * (1 - live_B)
         seq_B_S = torch.cat([seq_B_S, next_B[:, None]], dim=1)

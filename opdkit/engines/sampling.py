@@ -6,8 +6,8 @@ update: a rollout at ``temperature`` τ and ``top_p`` p samples from the policy
     π(v) = softmax(z / τ)(v) renormalised over the nucleus S, for v in S (0 outside S),
 
 where z are the model's logits over the tokenizer's ids (padding rows of the embedding are not
-ids) and S is the smallest set of ids, taken from the most probable down, whose mass under
-softmax(z / τ) reaches p (all ids at p = 1). Greedy decoding (τ <= 0) is the model's own
+ids) and S is the smallest set of ids, taken from the most probable down (equal logits: the lower
+id first), whose mass under softmax(z / τ) reaches p (all ids at p = 1). Greedy decoding (τ <= 0) is the model's own
 distribution, τ = 1 and p = 1, as vLLM treats it. ``policy_logits`` is that function of the
 logits; each engine records log π of every sampled token (``policy_scores``), and the losses
 differentiate log π computed the same way from the current logits (verl's convention for the
@@ -42,10 +42,15 @@ def sample_seed(seed: int, step: int, index: int) -> int:
 
 def top_p_filter(logits_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
     """Set logits outside the smallest set with cumulative probability >= top_p to -inf (any
-    leading axes; the last is the vocabulary). The input itself when top_p >= 1."""
+    leading axes; the last is the vocabulary). The input itself when top_p >= 1.
+
+    Ties: ids are taken from the most probable down and, among equal logits, the lower id first (a
+    stable sort), so where the nucleus ends inside a run of equal logits it keeps their lower ids and
+    drops the higher ones, on every device. The same rule in every opdkit engine and in the update
+    (all go through here); vLLM's samplers break such ties their own way (docs/fidelity.md)."""
     if top_p >= 1.0:
         return logits_B_V
-    sorted_B_V, order_B_V = torch.sort(logits_B_V, descending=True, dim=-1)
+    sorted_B_V, order_B_V = torch.sort(logits_B_V, descending=True, stable=True, dim=-1)
     probs_B_V = sorted_B_V.softmax(dim=-1)
     remove_B_V = (probs_B_V.cumsum(dim=-1) - probs_B_V) >= top_p  # mass before this entry already >= top_p
     remove_B_V[..., 0] = False

@@ -1,4 +1,5 @@
-"""``make_engine``: the engine ``rollout.engine`` names (``auto``: vLLM on CUDA where it is
+"""``make_engine``: the engine ``rollout.engine`` names (``auto``: on CUDA the HF engine's static
+decoder where Triton is installed (its kernels: ``engines.decode_kernels``), else vLLM where it is
 installed, in a single process; the HF engine otherwise). vLLM under a torchrun of several
 processes (``distributed_executor_backend="external_launcher"``, each rank its own prompts) is not
 supported: ``rollout.engine=vllm`` there is refused before anything is written."""
@@ -11,7 +12,7 @@ import torch
 
 from opdkit import loss_table
 from opdkit.config import ConfigError
-from opdkit.engines import vllm as vllm_engine
+from opdkit.engines import decode_kernels, vllm as vllm_engine
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sharded import wrap_engine
 
@@ -26,7 +27,9 @@ def engine_name(cfg, device: torch.device) -> str:
     """``hf`` or ``vllm``: ``rollout.engine``, with ``auto`` resolved for ``device``."""
     if cfg.rollout.engine != "auto":
         return cfg.rollout.engine
-    return "vllm" if device.type == "cuda" and torchrun_processes() == 1 and vllm_engine.available() else "hf"
+    if device.type != "cuda" or decode_kernels.available():
+        return "hf"
+    return "vllm" if torchrun_processes() == 1 and vllm_engine.available() else "hf"
 
 
 def check_params(cfg, device: torch.device) -> None:

@@ -6,39 +6,47 @@ path repeats each grouped K/V head over the whole cache length at every step. He
 
 - ``StaticDecoder`` keeps a bf16 copy of the policy (LoRA merged in), refreshed from the live
   model with ``sync`` (device copies only: milliseconds);
-- prompts (left-padded, width Sp) are prefilled once into an HF ``StaticCache``: slots 0..Sp-1;
-  completion token t is fed at slot Sp+t with position n_prompt+t, the geometry that
+- for Llama/Qwen2/Qwen3-type layers (``_fused_layers``) the decoder owns its KV cache: prompts
+  (left-padded, width W) are prefilled into slots Sp-W..Sp-1 of a cache of Sp + T + S slots
+  (Sp: the prompt slots of the session, W rounded up; a later call with prompts up to Sp reuses
+  it); completion token t is fed at slot Sp+t-1 with position n_prompt+t-1, the geometry that
   ``teacher.build_geometry`` scores;
-- one decode step (forward, sampling, bookkeeping, all state in device tensors) is captured as a
-  CUDA graph per bucket of cache length (attention reads only the first ``bucket`` slots, so
-  early tokens do not pay for the whole cache) and replayed: no Python per token;
-- attention for one query token (``_attention``) multiplies each K/V head once with its whole
-  group of query heads (grouped-query attention without repeating K/V);
-- for Llama/Qwen2/Qwen3-type layers the per-token forward (``_layer_step``) is written out with
-  few kernels: q/k/v and gate/up as one matmul each (the copy's weights are views into fused
-  buffers), rotary as one small batched matmul each for q and k by the step's rotation matrix
-  (``rotation``: cos on the diagonal, ±sin where rotate_half moves an entry; built once per step
-  for all layers), the attention scale and mask as one add, the residual adds inside the
-  projections' matmuls (addmm), the fused RMSNorm, and the cache slot from the step's token index
-  (no per-layer counter to advance). A replayed step is bound by its number of small kernels
-  (each costs microseconds however small), not by the weight reads: this halves it against the
-  modules' own forward, which is still used for other architectures.
+- one decode step reads every varying value (token index, positions, the visible span
+  ``start_b <= slot < Sp + t``) from device tensors, so its shapes never change: S steps
+  (``steps_per_graph``) are captured as one CUDA graph, once per session, and replayed; the host
+  checks for EOS every ``check_every`` tokens and asks ``should_stop`` between replays;
+- per layer a step is ten kernels on CUDA (``engines.decode_kernels``): the q/k/v matmul (fused
+  weights: the copy's q/k/v and gate/up weights are views into one buffer each), rotary embedding +
+  KV-cache write, split-length attention over the visible slots and its merge, the output
+  projection, the residual add + RMSNorm (HF's rounding), the gate/up matmul, silu * up, the down
+  projection, the residual add + the next RMSNorm; sampling at top-p 1 is one hashing Gumbel-argmax
+  kernel plus the log-softmax of the sampled token.
+
+Other architectures (e.g. Gemma's norms) decode through the modules' own forward with an HF
+``StaticCache``, one CUDA graph per bucket of cache length (``_ModuleDecoder``).
 
 Sampling and the recorded log-probs are ``sampling.policy_scores``, as in the ``generate`` path:
-a sample depends only on its seed and the logits, and its log-prob is log π of the policy it was
-drawn from (tempered, top-p-truncated, over the tokenizer's ids). Off CUDA (or
-``use_graphs=False``) the same steps run eagerly, which is how the CPU tests check this path
-against ``generate``.
+a sample depends only on its seed and the logits (the Gumbel kernel computes the same float64
+scores, bit for bit, as ``policy_scores``), and its log-prob is log π of the policy it was drawn
+from (tempered, top-p-truncated, over the tokenizer's ids). The fused kernels round differently
+from the modules' forward (attention in float32 throughout, one rounding of the rotary
+embedding), so the logits, and so rare samples, differ at bf16 rounding from HF's forward; the
+recorded log-probs are those of the logits actually sampled from, and the update's alignment check
+bounds the difference. Off CUDA (or ``use_graphs=False``) the same steps run eagerly with the
+kernels' torch references, which is how the CPU tests check this path against ``generate``.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import time
 
 import torch
 
-from opdkit.engines.sampling import policy_scores
+from opdkit import interrupt
+from opdkit.engines import decode_kernels as dk
+from opdkit.engines.sampling import mask_vocab, policy_scores
 from opdkit.engines.weights import merged_weights, plain
 
 ATTN_NAME = "opdkit_static"
@@ -145,148 +153,321 @@ def _fused_layers(gen) -> list[dict] | None:
     return out
 
 
-def _linear_add(x_B_I, linear, residual_B_H):
-    """``residual + linear(x)`` as one matmul when the projection has no bias (addmm's beta=1 term)."""
-    if linear.bias is not None:
-        return residual_B_H + torch.nn.functional.linear(x_B_I, linear.weight, linear.bias)
-    return torch.addmm(residual_B_H, x_B_I, linear.weight.t())
+def _rotate_half_apply(x_B_N_W_D, cos_B_W_D, sin_B_W_D):
+    """HF's ``apply_rotary_pos_emb`` for one tensor (heads on axis 1), in x's dtype."""
+    half = x_B_N_W_D.shape[-1] // 2
+    rot = torch.cat((-x_B_N_W_D[..., half:], x_B_N_W_D[..., :half]), dim=-1)
+    return x_B_N_W_D * cos_B_W_D[:, None] + rot * sin_B_W_D[:, None]
 
 
-def half_turn(D: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """P_D_D with x @ P == rotate_half(x) = cat(-x2, x1) for row vectors x of size D:
-    P[j + D/2, j] = -1 and P[j, j + D/2] = 1 for j < D/2, 0 elsewhere."""
-    half = D // 2
-    P_D_D = torch.zeros((D, D), dtype=dtype, device=device)
-    idx = torch.arange(half, device=device)
-    P_D_D[idx + half, idx] = -1
-    P_D_D[idx, idx + half] = 1
-    return P_D_D
+class _Session:
+    """The buffers (KV cache, rotary table, step state, kernel partials) and the captured graph of
+    one decode shape: B rows, Sp prompt slots, up to T new tokens, one sampling setting."""
 
+    def __init__(self, dec: StaticDecoder, B: int, Sp: int, T: int, temperature: float, top_p: float,
+                 eos_ids: list[int]):
+        f0, dev, dt = dec.layers[0], dec.device, dec.dtype
+        H, K, D = f0["H"], f0["Hkv"], f0["D"]
+        S = dec.steps_per_graph
+        self.key = (B, T, temperature, top_p, tuple(eos_ids))
+        self.B, self.Sp, self.T, self.L = B, Sp, T, Sp + T + S
+        self.temperature, self.top_p = temperature, top_p
+        self.keys = [torch.zeros((B, K, self.L, D), dtype=dt, device=dev) for _ in dec.layers]
+        self.values = [torch.zeros((B, K, self.L, D), dtype=dt, device=dev) for _ in dec.layers]
+        pos_1_L = torch.arange(self.L, device=dev)[None]
+        cos_1_L_D, sin_1_L_D = dec.gen.model.rotary_emb(torch.zeros((), dtype=dt, device=dev), pos_1_L)  # HF's values
+        self.cos_L_D, self.sin_L_D = cos_1_L_D[0].contiguous(), sin_1_L_D[0].contiguous()
+        self.tok_B = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.pos_B = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.start_B = torch.zeros(B, dtype=torch.int64, device=dev)  # first visible slot of each row
+        self.seeds_B = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.t_1 = torch.zeros(1, dtype=torch.int64, device=dev)  # index of the token being sampled
+        self.done_B = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.eos_E = torch.tensor(eos_ids, dtype=torch.int64, device=dev)
+        self.out_ids_B_T = torch.zeros((B, T + S), dtype=torch.int64, device=dev)
+        self.out_logp_B_T = torch.zeros((B, T + S), dtype=torch.float32, device=dev)
+        self.kernels = dec.kernels
+        if dec.kernels:
+            self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev)
+            fast_sampling = temperature > 0 and top_p >= 1.0
+            self.gumbel_plan = dk.GumbelPlan(B, dec.vocab, temperature, dev) if fast_sampling else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.pool = None
 
-def rotation(cos_B_1_D, sin_B_1_D, P_D_D) -> torch.Tensor:
-    """The rotary embedding of one position per row as a matrix R_B_D_D: x @ R == x * cos +
-    rotate_half(x) * sin for row vectors x, i.e. R = diag(cos) + P diag(sin) (``half_turn``):
-    two products per entry of x @ R, every other term an exact zero."""
-    B, D = cos_B_1_D.shape[0], cos_B_1_D.shape[-1]
-    return torch.diag_embed(cos_B_1_D.view(B, D)) + P_D_D * sin_B_1_D.view(B, 1, D)
-
-
-def _layer_step(f: dict, h_B_H, rot_B_D_D, slot_1, bias_B_1_1_n, keys_B_K_L_D, values_B_K_L_D):
-    """One decoder layer for one new token per row: the HF Llama/Qwen layer in fewer kernels.
-
-    ``rot_B_D_D``: each row's rotary embedding as a matrix (``rotation``), shared by all layers.
-    ``slot_1``: the cache slot of the new token. ``bias_B_1_1_n`` is the additive fp32 attention
-    mask (0 visible, -inf hidden), shared by all layers.
-    """
-    B, H, Hkv, D = h_B_H.shape[0], f["H"], f["Hkv"], f["D"]
-    G, n = H // Hkv, bias_B_1_1_n.shape[-1]
-    qkv_B_X = torch.nn.functional.linear(_rms(h_B_H, f["ln1"]), f["w_qkv"], f["b_qkv"])
-    q_B_H_D = qkv_B_X[:, :H * D].view(B, H, D)
-    k_B_K_D = qkv_B_X[:, H * D:(H + Hkv) * D].view(B, Hkv, D)
-    v_B_K_D = qkv_B_X[:, (H + Hkv) * D:].view(B, Hkv, D)
-    if f["q_norm"] is not None:  # Qwen3: RMSNorm per head before rotary
-        q_B_H_D, k_B_K_D = _rms(q_B_H_D, f["q_norm"]), _rms(k_B_K_D, f["k_norm"])
-    q_B_H_D = torch.bmm(q_B_H_D, rot_B_D_D)  # rotary; contiguous, so the grouped view below is free
-    k_B_K_D = torch.bmm(k_B_K_D, rot_B_D_D)
-    keys_B_K_L_D.index_copy_(2, slot_1, k_B_K_D[:, :, None, :])
-    values_B_K_L_D.index_copy_(2, slot_1, v_B_K_D[:, :, None, :])
-    q_B_K_G_D = q_B_H_D.view(B, Hkv, G, D)  # head h reads K/V head h // G
-    scores_B_K_G_n = torch.matmul(q_B_K_G_D, keys_B_K_L_D[:, :, :n].transpose(-1, -2))
-    scores_B_K_G_n = torch.add(bias_B_1_1_n, scores_B_K_G_n, alpha=f["scale"])  # fp32: scale and mask in one kernel
-    probs_B_K_G_n = scores_B_K_G_n.softmax(-1).to(h_B_H.dtype)
-    o_B_X = torch.matmul(probs_B_K_G_n, values_B_K_L_D[:, :, :n]).reshape(B, H * D)
-    h_B_H = _linear_add(o_B_X, f["attn"].o_proj, h_B_H)
-    gu_B_X = torch.nn.functional.linear(_rms(h_B_H, f["ln2"]), f["w_gu"], f["b_gu"])
-    gate_B_I, up_B_I = gu_B_X.chunk(2, dim=-1)
-    mlp = f["mlp"]
-    return _linear_add(mlp.act_fn(gate_B_I) * up_B_I, mlp.down_proj, h_B_H)
+    def fits(self, B: int, W: int, T: int, temperature: float, top_p: float, eos_ids: list[int]) -> bool:
+        return (B, T, temperature, top_p, tuple(eos_ids)) == self.key and W <= self.Sp
 
 
 class StaticDecoder:
     """Sampling with a static KV cache on a bf16 copy of the policy (see the module docstring)."""
 
     def __init__(self, model, *, dtype: torch.dtype = torch.bfloat16, bucket: int = 512, use_graphs: bool | None = None,
-                 fused: bool = True, n_vocab: int | None = None):
+                 fused: bool = True, n_vocab: int | None = None, kernels: bool | None = None, steps_per_graph: int = 16,
+                 prompt_slots: int = 256):
         self.gen = inference_copy(model, dtype)
+        self.dtype = dtype
         self.n_vocab = n_vocab  # sample ids < n_vocab only (None: every row of the head)
         self.device = next(self.gen.parameters()).device
-        self.bucket = bucket
+        self.vocab = n_vocab or self.gen.lm_head.weight.shape[0]
+        self.bucket = bucket  # the modules' path: cache-length bucket of one graph
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        params = inspect.signature(self.gen.model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
-        self.layers = _fused_layers(self.gen) if fused else None  # None: use the modules' own forward for this architecture
-        if self.layers is not None:
-            self.half_turn_D_D = half_turn(self.layers[0]["D"], dtype, self.device)
+        self.layers = _fused_layers(self.gen) if fused else None  # None: the modules' own forward
+        # the Triton kernels (engines.decode_kernels) on CUDA where Triton is installed; else their references
+        self.kernels = (self.device.type == "cuda" and dk.available()) if kernels is None else kernels
+        self.silu = getattr(self.gen.config, "hidden_act", None) == "silu"
+        self.steps_per_graph, self.prompt_slots = steps_per_graph, prompt_slots
+        self.session: _Session | None = None
+        self.modules = _ModuleDecoder(self) if self.layers is None else None
         self.stats: dict = {}
-
-    def _forward(self, tok_B, pos_B, mask_B_1_1_n, cache, slot_1):
-        """Raw next-token logits (B, V) fp32 after feeding one token per row through the cache at
-        slot ``slot_1`` (a 1-element device tensor; the modules' own forward advances the cache's
-        counters instead)."""
-        m = self.gen.model
-        if self.layers is None:
-            h_B_1_H = m(input_ids=tok_B[:, None], attention_mask=mask_B_1_1_n, position_ids=pos_B[:, None],
-                        use_cache=True, **{self.cache_kw: cache}).last_hidden_state
-            return self.gen.lm_head(h_B_1_H[:, -1]).float()
-        h_B_H = m.embed_tokens(tok_B)
-        cos_B_1_D, sin_B_1_D = m.rotary_emb(h_B_H, pos_B[:, None])  # of each row's position
-        rot_B_D_D = rotation(cos_B_1_D, sin_B_1_D, self.half_turn_D_D)
-        bias_B_1_1_n = torch.zeros(mask_B_1_1_n.shape, dtype=torch.float32, device=tok_B.device).masked_fill_(
-            ~mask_B_1_1_n, float("-inf"))
-        for f, layer in zip(self.layers, cache.layers):  # every layer writes the same slot
-            h_B_H = _layer_step(f, h_B_H, rot_B_D_D, slot_1, bias_B_1_1_n, layer.keys, layer.values)
-        return self.gen.lm_head(_rms(h_B_H, m.norm)).float()
 
     def sync(self, model) -> None:
         sync_weights(self.gen, model)
 
+    # --- one decode step, device tensors only ---------------------------------------------------
+
+    def _norm(self, s: _Session, x_B_H, norm):
+        """HF's RMSNorm of ``x`` (one kernel on CUDA)."""
+        fn = dk.rms_norm if s.kernels else dk.rms_norm_ref
+        return fn(x_B_H, norm.weight, norm.variance_epsilon)
+
+    def _add_norm(self, s: _Session, h_B_H, r_B_H, norm):
+        """The residual add ``h += r`` (in place) and HF's RMSNorm of the sum: (h, normed)."""
+        fn = dk.add_rms_norm if s.kernels else dk.add_rms_norm_ref
+        return fn(h_B_H, r_B_H, norm.weight, norm.variance_epsilon)
+
+    def _layer(self, s: _Session, i: int, f: dict, h_B_H, x_B_H, next_norm):
+        """Layer ``i`` for one token per row: ``h`` the residual stream, ``x`` its input norm; returns the new
+        stream and its norm by ``next_norm`` (the next layer's input norm, or the final one)."""
+        B, H, K, D = h_B_H.shape[0], f["H"], f["Hkv"], f["D"]
+        qkv_B_X = torch.nn.functional.linear(x_B_H, f["w_qkv"], f["b_qkv"])
+        if f["q_norm"] is not None:  # Qwen3: RMSNorm per head before rotary
+            q_B_X = _rms(qkv_B_X[:, :H * D].view(B, H, D), f["q_norm"]).view(B, H * D)
+            k_B_X = _rms(qkv_B_X[:, H * D:(H + K) * D].view(B, K, D), f["k_norm"]).view(B, K * D)
+            qkv_B_X = torch.cat([q_B_X, k_B_X, qkv_B_X[:, (H + K) * D:]], dim=1)
+        keys, values = s.keys[i], s.values[i]
+        if s.kernels:  # token t-1 goes to slot Sp-1+t; slots start_b .. Sp+t-1 are visible
+            q_B_H_D = dk.rope_cache(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.t_1, keys, values, H, K,
+                                    slot_offset=s.Sp - 1)
+            o_B_H_D = dk.attention(q_B_H_D, keys, values, s.start_B, s.t_1, f["scale"], s.attn_plan, end_offset=s.Sp)
+        else:
+            t = int(s.t_1)
+            q_B_H_D = dk.rope_cache_ref(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.Sp - 1 + t, keys, values, H, K)
+            o_B_H_D = dk.attention_ref(q_B_H_D, keys, values, s.start_B, s.Sp + t, f["scale"])
+        o_proj = f["attn"].o_proj
+        h_B_H, x_B_H = self._add_norm(s, h_B_H, torch.nn.functional.linear(o_B_H_D.reshape(B, H * D), o_proj.weight,
+                                                                           o_proj.bias), f["ln2"])
+        gu_B_X = torch.nn.functional.linear(x_B_H, f["w_gu"], f["b_gu"])
+        if s.kernels and self.silu:
+            act_B_I = dk.silu_mul(gu_B_X)
+        else:
+            gate_B_I, up_B_I = gu_B_X.chunk(2, dim=-1)
+            act_B_I = f["mlp"].act_fn(gate_B_I) * up_B_I
+        down = f["mlp"].down_proj
+        return self._add_norm(s, h_B_H, torch.nn.functional.linear(act_B_I, down.weight, down.bias), next_norm)
+
+    def _sample(self, s: _Session, raw_B_V, t):
+        """The sampled ids (B,) and their log π (B,) from raw logits (B, V) fp32 at token index ``t``."""
+        if s.kernels and s.gumbel_plan is not None:  # top-p 1: one hashing Gumbel-argmax kernel
+            new_B = dk.gumbel_argmax(raw_B_V, s.seeds_B, t, s.gumbel_plan)
+            z_B_V = raw_B_V if s.temperature == 1.0 else raw_B_V / s.temperature
+            logp_B_V = mask_vocab(z_B_V, self.n_vocab).log_softmax(dim=-1)  # = policy_scores' at top-p 1
+        else:
+            scores_B_V, logp_B_V = policy_scores(raw_B_V, s.seeds_B, t, s.temperature, s.top_p, self.n_vocab)
+            new_B = scores_B_V.argmax(-1)
+        return new_B, logp_B_V.gather(1, new_B[:, None])[:, 0]
+
+    def _step(self, s: _Session) -> None:
+        """Feed token t-1 (slot Sp-1+t, position pos_b), sample token t; advance t and the positions."""
+        m = self.gen.model
+        h_B_H = m.embed_tokens(s.tok_B)
+        x_B_H = self._norm(s, h_B_H, self.layers[0]["ln1"])
+        norms = [f["ln1"] for f in self.layers[1:]] + [m.norm]  # each layer's output norm: the next one's input norm
+        for i, (f, next_norm) in enumerate(zip(self.layers, norms)):
+            h_B_H, x_B_H = self._layer(s, i, f, h_B_H, x_B_H, next_norm)
+        raw_B_V = self.gen.lm_head(x_B_H).float()
+        new_B, logp_B = self._sample(s, raw_B_V, s.t_1)
+        s.out_ids_B_T.index_copy_(1, s.t_1, new_B[:, None])
+        s.out_logp_B_T.index_copy_(1, s.t_1, logp_B[:, None])
+        s.done_B.logical_or_(torch.isin(new_B, s.eos_E))
+        s.tok_B.copy_(new_B)
+        s.pos_B.add_(1)
+        s.t_1.add_(1)
+
+    # --- prefill ----------------------------------------------------------------------------------
+
+    def _prefill(self, s: _Session, ids_B_W, mask_B_W) -> torch.Tensor:
+        """The prompts (left-padded, width W) into cache slots Sp-W..Sp-1; the raw logits (B, V) fp32 of
+        the last position. The modules' own math (HF RMSNorm, rotary, grouped-query sdpa)."""
+        B, W = ids_B_W.shape
+        off = s.Sp - W
+        m = self.gen.model
+        pos_B_W = (mask_B_W.long().cumsum(1) - 1).clamp_min(0)
+        cos_B_W_D, sin_B_W_D = s.cos_L_D[pos_B_W], s.sin_L_D[pos_B_W]
+        causal_W_W = torch.ones((W, W), dtype=torch.bool, device=self.device).tril()
+        eye_W_W = torch.eye(W, dtype=torch.bool, device=self.device)
+        mask_B_1_W_W = (mask_B_W.bool()[:, None, None, :] & causal_W_W) | eye_W_W  # pads hidden; a row sees itself
+        h_B_W_H = m.embed_tokens(ids_B_W)
+        for i, f in enumerate(self.layers):
+            H, K, D = f["H"], f["Hkv"], f["D"]
+            qkv_B_W_X = torch.nn.functional.linear(f["ln1"](h_B_W_H), f["w_qkv"], f["b_qkv"])
+            q_B_W_H_D = qkv_B_W_X[..., :H * D].view(B, W, H, D)
+            k_B_W_K_D = qkv_B_W_X[..., H * D:(H + K) * D].view(B, W, K, D)
+            v_B_K_W_D = qkv_B_W_X[..., (H + K) * D:].view(B, W, K, D).transpose(1, 2)
+            if f["q_norm"] is not None:
+                q_B_W_H_D, k_B_W_K_D = f["q_norm"](q_B_W_H_D), f["k_norm"](k_B_W_K_D)
+            q_B_H_W_D = _rotate_half_apply(q_B_W_H_D.transpose(1, 2), cos_B_W_D, sin_B_W_D)
+            k_B_K_W_D = _rotate_half_apply(k_B_W_K_D.transpose(1, 2), cos_B_W_D, sin_B_W_D)
+            s.keys[i][:, :, off:s.Sp] = k_B_K_W_D
+            s.values[i][:, :, off:s.Sp] = v_B_K_W_D
+            G = H // K
+            o_B_H_W_D = torch.nn.functional.scaled_dot_product_attention(
+                q_B_H_W_D, k_B_K_W_D.repeat_interleave(G, dim=1), v_B_K_W_D.repeat_interleave(G, dim=1),
+                attn_mask=mask_B_1_W_W, scale=f["scale"])
+            h_B_W_H = h_B_W_H + f["attn"].o_proj(o_B_H_W_D.transpose(1, 2).reshape(B, W, H * D))
+            gate_B_W_I, up_B_W_I = torch.nn.functional.linear(f["ln2"](h_B_W_H), f["w_gu"], f["b_gu"]).chunk(2, dim=-1)
+            h_B_W_H = h_B_W_H + f["mlp"].down_proj(f["mlp"].act_fn(gate_B_W_I) * up_B_W_I)
+        return self.gen.lm_head(m.norm(h_B_W_H[:, -1])).float()
+
+    # --- the loop -----------------------------------------------------------------------------------
+
+    def _session(self, B: int, W: int, T: int, temperature: float, top_p: float, eos_ids: list[int]) -> _Session:
+        s = self.session
+        if s is None or not s.fits(B, W, T, temperature, top_p, eos_ids):
+            self.session = s = None  # free the old buffers (and graph) first
+            Sp = -(-W // self.prompt_slots) * self.prompt_slots
+            s = self.session = _Session(self, B, Sp, T, temperature, top_p, eos_ids)
+        return s
+
+    def _replay(self, s: _Session) -> None:
+        """S = ``steps_per_graph`` decode steps by replaying the session's CUDA graph; its first call runs
+        S steps eagerly on a side stream (which warms up the kernels and cuBLAS), then captures the graph
+        (recorded, not run)."""
+        S = self.steps_per_graph
+        if s.graph is not None:
+            s.graph.replay()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(S):
+                self._step(s)
+        torch.cuda.current_stream().wait_stream(side)
+        t0 = time.perf_counter()
+        g = torch.cuda.CUDAGraph()
+        # thread_local: another thread (the trainer, under rollout.overlap) may use CUDA meanwhile
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for _ in range(S):
+                self._step(s)
+        s.graph = g
+        self.stats["capture_s"] = time.perf_counter() - t0
+        self.stats["captures"] = self.stats.get("captures", 0) + 1
+
     @torch.no_grad()
     def generate(self, ids_B_Sp, mask_B_Sp, seeds: list[int], *, temperature: float, top_p: float,
-                 max_new_tokens: int, eos_ids: list[int], check_every: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_new_tokens: int, eos_ids: list[int], check_every: int = 64,
+                 should_stop=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampled tokens (B, T) and their log-probs under the sampling policy (B, T); T <= max_new_tokens (stops
-        once every row has emitted an EOS, checked every ``check_every`` tokens)."""
+        once every row has emitted an EOS, checked every ``check_every`` tokens). ``should_stop()`` (default
+        ``interrupt.check_abandon``: a stop signal or the step's wall-budget deadline) is called between graph
+        replays (every ``steps_per_graph`` tokens); it raises to abandon the rollout."""
+        should_stop = should_stop or interrupt.check_abandon
+        if self.modules is not None:
+            return self.modules.generate(ids_B_Sp, mask_B_Sp, seeds, temperature=temperature, top_p=top_p,
+                                         max_new_tokens=max_new_tokens, eos_ids=eos_ids, check_every=check_every,
+                                         should_stop=should_stop)
+        with torch.autocast(self.device.type, enabled=False):
+            B, W = ids_B_Sp.shape
+            T = max_new_tokens
+            s = self._session(B, W, T, float(temperature), float(top_p), list(eos_ids))
+            n_prompt_B = mask_B_Sp.long().sum(1)
+            if not torch.equal(mask_B_Sp.long(), (torch.arange(W, device=mask_B_Sp.device) >= W - n_prompt_B[:, None]).long()):
+                raise ValueError("the static decoder needs left-padded prompts (real tokens last in each row)")
+            s.seeds_B.copy_(torch.tensor(seeds, dtype=torch.int64))
+            s.start_B.copy_(s.Sp - n_prompt_B)
+            s.done_B.zero_()
+            s.t_1.zero_()
+            raw_B_V = self._prefill(s, ids_B_Sp, mask_B_Sp)
+            new_B, logp_B = self._sample(s, raw_B_V, s.t_1)
+            s.out_ids_B_T[:, 0], s.out_logp_B_T[:, 0] = new_B, logp_B
+            s.done_B.copy_(torch.isin(new_B, s.eos_E))
+            s.tok_B.copy_(new_B)
+            s.pos_B.copy_(n_prompt_B)  # position of token 0 = number of real prompt tokens
+            s.t_1.fill_(1)
+            t, S, next_check = 1, self.steps_per_graph, check_every
+            while t < T:
+                if self.use_graphs and (s.graph is not None or T - t >= S):
+                    self._replay(s)  # S steps (a last replay past T fills the spare columns)
+                    t += S
+                else:
+                    for _ in range(min(S, T - t)):
+                        self._step(s)
+                    t = min(T, t + S)
+                if should_stop is not None:
+                    should_stop()
+                if t >= next_check:
+                    next_check = t + check_every
+                    if bool(s.done_B.all()):
+                        break
+            t = min(t, T)
+            self.stats.update(decode_steps=t, fused_layers=True, kernels=s.kernels, steps_per_graph=S, prompt_slots=s.Sp)
+            return s.out_ids_B_T[:, :t].clone(), s.out_logp_B_T[:, :t].clone()
+
+
+class _ModuleDecoder:
+    """The modules' own forward with an HF ``StaticCache`` (architectures without ``_fused_layers``):
+    one decode step captured as a CUDA graph per bucket of cache length (attention reads only the
+    first ``bucket`` slots, so early tokens do not pay for the whole cache)."""
+
+    def __init__(self, dec: StaticDecoder):
+        self.dec = dec
+        params = inspect.signature(dec.gen.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+
+    def _forward(self, tok_B, pos_B, mask_B_1_1_n, cache):
+        h_B_1_H = self.dec.gen.model(input_ids=tok_B[:, None], attention_mask=mask_B_1_1_n, position_ids=pos_B[:, None],
+                                     use_cache=True, **{self.cache_kw: cache}).last_hidden_state
+        return self.dec.gen.lm_head(h_B_1_H[:, -1]).float()
+
+    def generate(self, ids_B_Sp, mask_B_Sp, seeds, *, temperature, top_p, max_new_tokens, eos_ids, check_every,
+                 should_stop):
         from transformers import StaticCache
 
-        with torch.autocast(self.device.type, enabled=False):
+        dec = self.dec
+        with torch.autocast(dec.device.type, enabled=False):
             B, Sp = ids_B_Sp.shape
             T = max_new_tokens
             L = Sp + T
-            dev = self.device
-            decoder, head = self.gen.model, self.gen.lm_head
-            cache = StaticCache(config=self.gen.config, max_cache_len=L)
+            dev = dec.device
+            cache = StaticCache(config=dec.gen.config, max_cache_len=L)
             seeds_B = torch.tensor(seeds, dtype=torch.int64, device=dev)
             eos_E = torch.tensor(eos_ids, dtype=torch.int64, device=dev)
             out_ids_B_T = torch.zeros((B, T), dtype=torch.int64, device=dev)
             out_logp_B_T = torch.zeros((B, T), dtype=torch.float32, device=dev)
             visible_B_L = torch.zeros((B, L), dtype=torch.bool, device=dev)  # cache slots holding real tokens
             visible_B_L[:, :Sp] = mask_B_Sp.bool()
-
-            # prefill: causal over the prompt, pads hidden from real tokens; each query sees itself (no empty row)
             causal_Sp_Sp = torch.ones((Sp, Sp), dtype=torch.bool, device=dev).tril()
             mask_B_1_Sp_Sp = (visible_B_L[:, None, None, :Sp] & causal_Sp_Sp) | torch.eye(Sp, dtype=torch.bool, device=dev)
             pos_B_Sp = (mask_B_Sp.long().cumsum(1) - 1).clamp_min(0)
-            h_B_Sp_H = decoder(input_ids=ids_B_Sp, attention_mask=mask_B_1_Sp_Sp, position_ids=pos_B_Sp,
-                               use_cache=True, **{self.cache_kw: cache}).last_hidden_state
+            h_B_Sp_H = dec.gen.model(input_ids=ids_B_Sp, attention_mask=mask_B_1_Sp_Sp, position_ids=pos_B_Sp,
+                                     use_cache=True, **{self.cache_kw: cache}).last_hidden_state
             t_dev = torch.zeros((), dtype=torch.int64, device=dev)  # index of the token being sampled
-            scores_B_V, logp_B_V = policy_scores(head(h_B_Sp_H[:, -1]).float(), seeds_B, t_dev, temperature, top_p,
-                                                 self.n_vocab)
+            scores_B_V, logp_B_V = policy_scores(dec.gen.lm_head(h_B_Sp_H[:, -1]).float(), seeds_B, t_dev, temperature,
+                                                 top_p, dec.n_vocab)
             tok_B = scores_B_V.argmax(-1)
             out_ids_B_T[:, 0] = tok_B
             out_logp_B_T[:, 0] = logp_B_V.gather(1, tok_B[:, None])[:, 0]
             done_B = torch.isin(tok_B, eos_E)
-            pos_B = mask_B_Sp.long().sum(1)  # position of token 0 = number of real prompt tokens
+            pos_B = mask_B_Sp.long().sum(1)
             t_dev += 1
 
             def step(n: int):
                 """Feed token t-1 (slot Sp-1+t), sample token t, attending to slots < n; device tensors only."""
-                slot_1 = (t_dev + (Sp - 1)).view(1)
-                visible_B_L.index_fill_(1, slot_1, True)
-                raw_B_V = self._forward(tok_B, pos_B, visible_B_L[:, None, None, :n], cache, slot_1)
-                scores_B_V, logp_B_V = policy_scores(raw_B_V, seeds_B, t_dev, temperature, top_p, self.n_vocab)
+                visible_B_L.index_fill_(1, (t_dev + (Sp - 1)).view(1), True)
+                raw_B_V = self._forward(tok_B, pos_B, visible_B_L[:, None, None, :n], cache)
+                scores_B_V, logp_B_V = policy_scores(raw_B_V, seeds_B, t_dev, temperature, top_p, dec.n_vocab)
                 new_B = scores_B_V.argmax(-1)
-                logp_B = logp_B_V.gather(1, new_B[:, None])[:, 0]
                 out_ids_B_T.index_copy_(1, t_dev.view(1), new_B[:, None])
-                out_logp_B_T.index_copy_(1, t_dev.view(1), logp_B[:, None])
+                out_logp_B_T.index_copy_(1, t_dev.view(1), logp_B_V.gather(1, new_B[:, None]))
                 done_B.logical_or_(torch.isin(new_B, eos_E))
                 tok_B.copy_(new_B)
                 pos_B.add_(1)
@@ -295,8 +476,8 @@ class StaticDecoder:
             graphs: dict[int, torch.cuda.CUDAGraph] = {}
             pool, t, prev_n = None, 1, 0
             while t < T:
-                n = min(L, -(-(Sp + t) // self.bucket) * self.bucket)  # slots 0..Sp-1+t must be visible
-                if not self.use_graphs:
+                n = min(L, -(-(Sp + t) // dec.bucket) * dec.bucket)  # slots 0..Sp-1+t must be visible
+                if not dec.use_graphs:
                     step(n)
                 elif n not in graphs and n != prev_n:
                     # first token of a bucket: run eagerly on a side stream (warms cuBLAS, allocator) ...
@@ -308,7 +489,6 @@ class StaticDecoder:
                 else:
                     if n not in graphs:  # ... then capture it (recorded, not run) and replay from here on
                         g = torch.cuda.CUDAGraph()
-                        # thread_local: another thread (the trainer, under rollout.overlap) may use CUDA meanwhile
                         with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                             step(n)
                         pool = g.pool()
@@ -316,8 +496,9 @@ class StaticDecoder:
                     graphs[n].replay()
                 prev_n = n
                 t += 1
+                should_stop()  # a stop signal or the wall budget ends the rollout here (StepAbandoned)
                 if t % check_every == 0 and bool(done_B.all()):
                     break
-            self.stats = {"decode_steps": t, "graphs": len(graphs), "bucket": self.bucket, "fused_layers": self.layers is not None}
+            dec.stats = {"decode_steps": t, "graphs": len(graphs), "bucket": dec.bucket, "fused_layers": False}
             del graphs
             return out_ids_B_T[:, :t], out_logp_B_T[:, :t]

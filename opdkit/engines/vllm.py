@@ -46,8 +46,12 @@ start). vLLM samples in bf16 with its own noise: its rollouts are reproducible f
 but differ from the HF engine's, and its log-probs differ from the recomputed fp32 ones by bf16
 rounding (the tempered logits are bf16 too).
 
-``request_params``, ``llm_kwargs``, ``pushed_weights`` and ``to_rollout`` are plain functions,
-tested without vLLM.
+Rollouts end between engine steps when the training loop gives the step up (a stop signal, or the
+wall budget: ``interrupt.check_abandon``): ``generate`` drives the engine step by step and aborts the
+requests still running.
+
+``request_params``, ``llm_kwargs``, ``pushed_weights``, ``to_rollout`` and ``generate`` are plain
+functions, tested without vLLM.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import time
 import numpy as np
 import torch
 
+from opdkit import interrupt
 from opdkit.engines.base import Rollout, completion_mask, left_pad, pad_and_eos, sampling_vocab
 from opdkit.engines.sampling import policy_settings
 from opdkit.engines.weights import merged_weights, plain
@@ -161,6 +166,25 @@ def to_rollout(outputs, rows: list[list[int]], samples_per_prompt: int, pad_id: 
     n_prompts = len(rows) // samples_per_prompt
     return Rollout(ids_B_Sp, mask_B_Sp, comp_B_T.to(device), mask_B_T.to(device), logp_B_T,
                    truncated_B.to(device), torch.arange(n_prompts).repeat_interleave(samples_per_prompt).to(device))
+
+
+def generate(llm, prompts: list, params: list) -> list:
+    """``llm.generate(prompts, params)`` driven step by step, so that a rollout can end between
+    engine steps: ``LLM.enqueue`` adds the requests, ``llm_engine.step()`` runs them (as
+    ``LLM._run_engine`` does, vLLM 0.26), and ``interrupt.check_abandon()`` is called before each
+    step; when it raises (``StepAbandoned``) or anything else does, the requests still running are
+    aborted (``abort_request(ids, internal=True)``, as vLLM does when adding them fails), so the
+    engine is left empty. The finished outputs, in request order."""
+    ids = llm.enqueue(prompts, sampling_params=params, use_tqdm=False)
+    engine, outputs = llm.llm_engine, []
+    try:
+        while engine.has_unfinished_requests():
+            interrupt.check_abandon()
+            outputs.extend(o for o in engine.step() if o.finished)
+    except BaseException:
+        engine.abort_request(ids, internal=True)
+        raise
+    return sorted(outputs, key=lambda o: int(o.request_id))
 
 
 def _require_vllm(device: torch.device, what: str = "rollout.engine=vllm", instead: str = "rollout.engine=hf"):
@@ -299,8 +323,7 @@ class VLLMEngine:
         self._wake("weights")
         self._wake("kv_cache")
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in rows], sampling_params=params,
-                                        use_tqdm=False)
+            outputs = generate(self.llm, [{"prompt_token_ids": list(p)} for p in rows], params)
         finally:
             self._sleep()  # free the GPU for scoring and the update
         return to_rollout(outputs, rows, samples_per_prompt, self.pad_id, self.eos_ids, self.device, logprobs)

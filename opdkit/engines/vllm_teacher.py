@@ -20,7 +20,8 @@ renormalises over the same ids). Two places to run it:
   with ``VLLMTeacherError`` (the run exits 1, its last state kept); there are no zero scores.
 - ``teacher.url`` empty: ``EngineTeacher``, a ``vllm.LLM`` of the teacher on the student's GPU in
   an engine process of its own (vLLM's sleep mode allows one engine per process, and the student's
-  vLLM engine runs in the training process), asleep between scorings (level 1: weights kept in CPU
+  vLLM engine runs in the training process), started by spawn (a forked child cannot use CUDA once
+  the training process has initialised it), asleep between scorings (level 1: weights kept in CPU
   memory, KV cache freed) so the update has the GPU; ``teacher.gpu_memory_utilization`` bounds it
   while awake. It is built before the student's engine (``setup.build_run``).
 
@@ -50,6 +51,9 @@ from opdkit import loss_table
 from opdkit.engines import vllm as vllm_engine
 
 NEG_INF_AS = -9999.0  # vLLM's server writes -inf log-probs as this (clamp_prompt_logprobs)
+# the colocated engine's max_model_len, in the student's prompt + completion tokens: x1, or with teacher.tokenizer=own
+# (the teacher's own tokens of the same text) x4, the most bytes a character takes in UTF-8 (a byte-level teacher)
+XTOK_LEN = {"shared": 1, "own": 4}
 
 
 class VLLMTeacherError(RuntimeError):
@@ -269,21 +273,27 @@ class EngineTeacher(_Scorer):
         R = cfg.rollout
         rows = R.prompts_per_step * R.samples_per_prompt
         kw = dict(model=str(path), tokenizer=str(path), skip_tokenizer_init=True, dtype="bfloat16", seed=cfg.seed,
-                  max_model_len=R.max_prompt_tokens + R.max_new_tokens + 1, max_num_seqs=max(1, rows),
+                  max_model_len=(R.max_prompt_tokens + R.max_new_tokens) * XTOK_LEN[cfg.teacher.tokenizer] + 1,
+                  max_num_seqs=max(1, rows),
                   gpu_memory_utilization=cfg.teacher.gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
                   enable_prefix_caching=False, max_logprobs=max(20, prompt_logprobs_k(cfg)), runner="generate",
                   logprobs_mode="raw_logprobs", enforce_eager=True)  # prefills only: no compile, no graphs (a short start)
-        saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # its own engine process (one sleep-mode engine per process)
+        # its own engine process (one sleep-mode engine per process), started by spawn: a forked child cannot use
+        # CUDA once this process has initialised it ("Cannot re-initialize CUDA in forked subprocess"), as any
+        # training process whose student is on the GPU has
+        start = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+        saved = {k: os.environ.get(k) for k in start}
+        os.environ.update(start)
         rng = vllm_engine._rng_state()
         try:
             self.llm = vllm.LLM(**kw)
         finally:
             vllm_engine._set_rng_state(rng)
-            if saved is None:
-                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-            else:
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self.SamplingParams = vllm.SamplingParams
         self.sleeps = device.type == "cuda"
         self.awake = True
@@ -308,12 +318,14 @@ class EngineTeacher(_Scorer):
 
 def make_teachers(cfg, inputs, device: torch.device, log=print):
     """The run's vLLM teacher (``teachers.TeacherSet`` of them with several): a server client where
-    a url is set, else the colocated engine; scoring over the tokenizer's ids."""
+    a url is set, else the colocated engine; scoring over the tokenizer's ids (the teacher's own with
+    teacher.tokenizer=own: it then scores the completions re-tokenized by its tokenizer)."""
     from opdkit.models import tokenizer_ids
     from opdkit.pairs import teacher_urls
     from opdkit.teachers import TeacherSet
 
-    n = tokenizer_ids(inputs.tokenizer)
+    own = cfg.teacher.tokenizer == "own"  # cross-tokenizer: the teacher scores its own ids (opdkit.xtok)
+    n = tokenizer_ids(inputs.teacher_tokenizer if own else inputs.tokenizer)
     members = []
     for (what, path), url in zip(inputs.teacher_paths.items(), teacher_urls(cfg).values()):
         members.append(ServerTeacher(url, path, n, cfg.teacher.timeout_s, log) if url

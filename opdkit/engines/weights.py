@@ -70,11 +70,13 @@ def merged_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[st
         yield key, w if dtype is None else w.to(dtype)
 
 
-def export_state_dict(model, keep: bool = True) -> dict[str, torch.Tensor]:
-    """A CPU copy of ``merged_weights`` (what a checkpoint holds). For a sharded model every rank
-    takes part in the gathering; only a rank with ``keep`` copies the tensors ({} elsewhere)."""
+def export_state_dict(model, keep: bool = True, dtype: torch.dtype | None = None, copy=None) -> dict[str, torch.Tensor]:
+    """A CPU copy of ``merged_weights`` (what a checkpoint holds), cast to ``dtype`` where they live
+    (None: as they are). For a sharded model every rank takes part in the gathering; only a rank
+    with ``keep`` copies the tensors ({} elsewhere). ``copy(name, tensor)`` makes each CPU copy
+    (default: a new tensor; ``publish.Snapshot`` reuses pinned host memory)."""
     out = {}
-    for k, v in merged_weights(model):
+    for k, v in merged_weights(model, dtype):
         if keep:
-            out[k] = v.to("cpu", copy=True)
+            out[k] = copy(k, v) if copy is not None else v.to("cpu", copy=True)
     return out

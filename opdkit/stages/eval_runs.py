@@ -7,11 +7,11 @@ allow; a worker process evaluates one checkpoint after another, so its start-up 
   (tagged ``arm=before`` / ``arm=teacher``);
 - every kept checkpoint of each run of the train matrix (``opdkit.report.pipeline_matrix``,
   ``RUNS/<arm>/seed<n>``, whose last checkpoint must be ``checkpoint-<the arm's steps>``), with the
-  command ``opdkit.stages.eval_run`` runs for it: the last into ``OUT/<arm>/seed<n>.json``, the others
+  command ``opdkit.stages.eval_checkpoints`` runs for it: the last into ``OUT/<arm>/seed<n>.json``, the others
   into ``CURVES/<arm>/seed<n>/checkpoint-<step>.json``, tagged ``step``, ``arm``, ``seed`` and ``match``
   (``steps`` for the OPD arms, the control's own for a control).
 
-Then each run's ``CURVES/<arm>/seed<n>/curve.json`` (``opdkit.stages.eval_run.write_curve``). An
+Then each run's ``CURVES/<arm>/seed<n>/curve.json`` (``opdkit.stages.eval_checkpoints.write_curve``). An
 eval whose command, eval params, checkpoint, data and code are unchanged is reused; ``OUT/jobs.json``
 is the ledger; anything else in ``OUT`` and ``CURVES`` is removed.
 
@@ -29,7 +29,7 @@ from opdkit.checkpoints import step_of
 from opdkit.config import ConfigError, load_config as load_as_is, to_dict
 from opdkit.recipes import load_config
 from opdkit.report import pipeline_arms
-from opdkit.stages.eval_run import check_last_step, eval_argv, eval_out, write_curve
+from opdkit.stages.eval_checkpoints import check_last_step, eval_argv, eval_out, write_curve
 from opdkit.stages.jobs import Job, run_jobs
 from opdkit.stages.train_runs import workers_for
 

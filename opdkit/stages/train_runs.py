@@ -5,7 +5,9 @@ For each arm of ``opdkit.report.pipeline_arms`` (the OPD arms ``loss.name`` and
 ``pipeline.seeds``, one run::
 
     opdkit train --out OUT/<arm>/seed<n> -S seed=<n> <the arm's -S> -S experiment_name=<arm>
-        -S student.path=STUDENT -S teacher.path=TEACHER -S data.train=DATA
+        -S student.path=STUDENT -S teacher.path=TEACHER -S data.train=DATA [-S rollout.offline_file=POOL]
+
+(the last where the run has rollout.source=offline: the offline arm, ``dvc exp run -S rollout.source=offline``);
 
 run by ``opdkit.stages.jobs``: as many at a time as the CPUs allow at ``runtime.threads`` each (one on
 CUDA; ``--workers`` says otherwise), each a seeded, deterministic run whose files are the same whatever
@@ -25,7 +27,8 @@ trackers are refused here, before any run starts.
 Each run's log is ``LOGS/<arm>-seed<n>.log``; ``OUT/jobs.json`` is the stage's ledger. Anything else in
 ``OUT`` (a dropped seed's or arm's runs) is removed.
 
-    python -m opdkit.stages.train_runs --student S --teacher T --data D --out runs/train [--workers N] [-S k=v]
+    python -m opdkit.stages.train_runs --student S --teacher T --data D --out runs/train [--offline POOL]
+        [--workers N] [-S k=v]
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ TRAIN_IGNORES = ("eval", "studies", "pipeline", "embedded")  # sections opdkit t
 # (tests/test_stage_jobs.py trains a control with each changed and gets the same weights)
 # (nor the reward's baseline and scaling: their command sets loss.reward_weight=0)
 CONTROL_IGNORES = ("teacher.ema_decay", "loss.clip_eps", "loss.dual_clip", "loss.topk", "loss.tail_bucket",
-                   "loss.jsd_beta", "loss.clip", "loss.clip_tau", "loss.reward_baseline", "loss.reward_norm")
+                   "loss.jsd_beta", "loss.clip", "loss.clip_tau", "loss.reward_baseline", "loss.reward_norm",
+                   "rollout.offline_file", "rollout.offline_ratio")  # (and their command sets rollout.source=live)
 REFERENCE_COST = 0.1  # an sft step on reference solutions (no rollout) against a sampling step: ~0.09 s vs ~1.1 s
 
 
@@ -62,8 +66,9 @@ def without(tree: dict, dotted: tuple[str, ...]) -> dict:
 
 
 def train_jobs(params: str, student: str, teacher: str, data: str, out: str, logs: str,
-               overrides: list[str] = ()) -> list[Job]:
-    """The pipeline's training runs as jobs (``overrides`` apply to every run, under each arm's own)."""
+               overrides: list[str] = (), pool: str = "") -> list[Job]:
+    """The pipeline's training runs as jobs (``overrides`` apply to every run, under each arm's own). A run
+    with ``rollout.source=offline`` reads the offline pool ``pool`` (``rollout.offline_file``; an input of its job)."""
     matrix = load_as_is(params, overrides)  # the arms and seeds as dvc.yaml reads them: params.yaml itself
     controls = {c.name for c in matrix.pipeline.controls}
     jobs = []
@@ -74,6 +79,9 @@ def train_jobs(params: str, student: str, teacher: str, data: str, out: str, log
             sets = [*overrides, f"seed={seed}", *arm.overrides, f"experiment_name={arm.name}",
                     f"student.path={student}", f"teacher.path={teacher}", f"data.train={data}"]
             cfg = load_config(params, None, sets)  # what `opdkit train` resolves: params < recipe < -S
+            if cfg.rollout.source == "offline" and pool:  # the offline arm: the pool the offline_rollouts stage drew
+                sets.append(f"rollout.offline_file={pool}")
+                cfg = load_config(params, None, sets)
             if resolve_tracker(cfg.tracking) != "dvclive":  # refused before hours of training, not after them
                 raise ConfigError(f"params key 'tracking': the track stage (dvc.yaml) reads each run's DVCLive log, "
                                   f"so the pipeline's runs need tracking: dvclive (or auto with dvclive installed); "
@@ -81,7 +89,8 @@ def train_jobs(params: str, student: str, teacher: str, data: str, out: str, log
             view = without(to_dict(cfg), ignores)
             argv = ("train", "--out", run, "--quiet", "-p", params, *sum((["-S", s] for s in sets), []))
             cost = arm.steps * (REFERENCE_COST if samples_from(cfg.loss) == "reference" else 1.0)
-            jobs.append(Job(f"{arm.name}/seed{seed}", argv, (student, teacher, data), (run,), view, cost,
+            reads = (student, teacher, data) + ((cfg.rollout.offline_file,) if cfg.rollout.source == "offline" else ())
+            jobs.append(Job(f"{arm.name}/seed{seed}", argv, reads, (run,), view, cost,
                             f"{logs}/{arm.name}-seed{seed}.log"))
     return jobs
 
@@ -103,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--teacher", required=True)
     ap.add_argument("--data", required=True, help="the train table (parquet/jsonl)")
     ap.add_argument("--out", required=True, help="the runs' folder: OUT/<arm>/seed<n>, and the ledger OUT/jobs.json")
+    ap.add_argument("--offline", default="", metavar="POOL", help="the offline pool (opdkit offline-rollouts): "
+                    "runs with rollout.source=offline read it (rollout.offline_file)")
     ap.add_argument("--logs", default="runs/logs/train", help="one log per run (default runs/logs/train)")
     ap.add_argument("--workers", type=int, default=0, help="processes at a time (default: one per CPU / "
                     "runtime.threads; one on CUDA)")
@@ -110,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     try:
-        jobs = train_jobs(args.params, args.student, args.teacher, args.data, args.out, args.logs, args.overrides)
+        jobs = train_jobs(args.params, args.student, args.teacher, args.data, args.out, args.logs, args.overrides,
+                          args.offline)
         workers, threads = workers_for(args.params, args.overrides)
     except (ConfigError, TrackingError) as e:
         print(f"opdkit.stages.train_runs: error: {e}", file=sys.stderr)

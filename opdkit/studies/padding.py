@@ -38,7 +38,6 @@ from opdkit.studies.common import (log_floor, new_figure, position_chunks, prepa
 from opdkit.teacher import AlignmentError, Geometry, build_geometry, check_alignment, full_logprobs, unwrap
 
 SIDES = ("right", "left")
-MODELS = ("teacher", "student")
 
 
 @dataclass

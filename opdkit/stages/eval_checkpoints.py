@@ -1,6 +1,7 @@
-"""Evaluate every kept checkpoint of one training run (the pipeline's ``eval`` stage,
-``opdkit.stages.eval_runs``, runs the same commands for every run side by side, and its curves with
-``write_curve``).
+"""Evaluate every kept checkpoint of one training run and write its learning curve (``curve.json``).
+
+The pipeline's ``eval`` stage (``opdkit.stages.eval_runs``) runs the same commands for every run of the
+arm x seed matrix side by side, and writes their curves with ``write_curve``.
 
 The final checkpoint (``checkpoint-<--steps>``, which must be the run's last) is evaluated into
 ``--out`` exactly as ``opdkit eval --model it --out OUT`` writes it (this driver calls that command, in
@@ -11,8 +12,9 @@ checkpoint, the step, the run's elapsed training seconds and cumulative completi
 ``opdkit.report.learning_curves`` averages over seeds. The tags (``--tag arm=rkl --tag seed=0``) go into
 every eval JSON and the curve.
 
-    python -m opdkit.stages.eval_run --run runs/train/rkl/seed0 --steps 120 --data runs/data/eval.parquet \
-        --out runs/eval/rkl/seed0.json --curve-dir runs/curves/rkl/seed0 --tag arm=rkl --tag seed=0
+    python -m opdkit.stages.eval_checkpoints --run runs/train/rkl/seed0 --steps 120 \
+        --data runs/data/eval.parquet --out runs/eval/rkl/seed0.json --curve-dir runs/curves/rkl/seed0 \
+        --tag arm=rkl --tag seed=0
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def eval_out(checkpoint: Path, steps: int, final: Path, curve_dir: Path) -> Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m opdkit.stages.eval_run", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m opdkit.stages.eval_checkpoints", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, help="an `opdkit train --out` directory")
     ap.add_argument("--steps", type=int, required=True, help="the run's step budget: its last checkpoint's step")
     ap.add_argument("--data", required=True, help="eval table (parquet/jsonl)")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checkpoints = check_last_step(run, args.steps)
     except ValueError as e:
-        print(f"opdkit.stages.eval_run: error: {e}", file=sys.stderr)
+        print(f"opdkit.stages.eval_checkpoints: error: {e}", file=sys.stderr)
         return 2
     evaluated = []
     for ck in checkpoints:
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             return status
         evaluated.append((step_of(ck), out))
     write_curve(run, curve_dir, dict(t.partition("=")[::2] for t in args.tag), evaluated)
-    print(f"{run}: evaluated {', '.join(ck.name for ck in checkpoints)}; wrote {args.out} and {curve_dir / 'curve.json'}")
+    names = ", ".join(ck.name for ck in checkpoints)
+    print(f"{run}: evaluated {names}; wrote {args.out} and {curve_dir / 'curve.json'}")
     return 0
 
 

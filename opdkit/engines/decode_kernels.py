@@ -1,0 +1,234 @@
+"""The decode step's fused operations, each as a plain torch reference and a Triton kernel.
+
+The static decoder (``engines.static``) runs one token per row through the layers; on CUDA each of
+these operations is one kernel instead of several, and every kernel reads its varying values (the
+token index, the attention span) from device tensors, so one CUDA graph serves every position:
+
+- ``rope_cache``: rotary embedding of q and k at each row's position (cos/sin looked up in a table)
+  and the write of k and v into the KV cache at the step's slot (4 kernels -> 1);
+- ``attention``: one query token per row against cache slots ``start_b <= s < end`` (grouped-query:
+  each K/V head serves its G query heads), split over the cache length and merged (flash decoding:
+  2 kernels, reading only the visible slots, instead of a matmul / mask / softmax / cast / matmul
+  over a bucket of slots);
+- ``rms_norm`` / ``add_rms_norm``: HF's RMSNorm of one row per token, after the residual add (one
+  kernel; the projections before it are plain matmuls, with no copy of the residual into their output);
+- ``silu_mul``: ``silu(gate) * up`` (2 kernels -> 1);
+- ``gumbel_argmax``: the sampled id of ``engines.sampling.policy_scores`` at top-p 1: the argmax over
+  the tokenizer's ids of ``z / τ + Gumbel(seed, t, id)`` in float64, the noise hashed in-kernel
+  (``engines.sampling.uniform_noise``'s splitmix64), ~40 elementwise kernels over (B, V) -> 1 + a
+  small argmax.
+
+Shapes: B rows, H query heads, K = Hkv key/value heads, G = H / K, D head dim, L cache slots, V
+vocabulary, X = (H + 2K) D the fused q/k/v width, I the MLP width. The references define the
+semantics; ``tests/test_decode_kernels.py`` runs the kernels (Triton's interpreter on a CPU) against
+them. Triton is optional: ``available()`` says whether the kernels can run on a device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from opdkit.engines.sampling import _GOLDEN, _MIX1, _MIX2, UNIFORM_BITS
+
+# --- references (any device) ------------------------------------------------------------------
+
+
+def rotate(x_B_N_D: torch.Tensor, cos_B_D: torch.Tensor, sin_B_D: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding ``x * cos + rotate_half(x) * sin`` for one position per row, computed in
+    float32 and rounded once to x's dtype (as a matmul by the rotation matrix rounds it)."""
+    half = x_B_N_D.shape[-1] // 2
+    x = x_B_N_D.float()
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos_B_D.float()[:, None] + rot * sin_B_D.float()[:, None]).to(x_B_N_D.dtype)
+
+
+def rope_cache_ref(qkv_B_X, cos_P_D, sin_P_D, pos_B, slot, k_cache_B_K_L_D, v_cache_B_K_L_D, H: int, K: int):
+    """Rotated queries (B, H, D); k rotated and v written into the caches at slot ``slot`` (an int or
+    a 1-element tensor), in place."""
+    B, D = qkv_B_X.shape[0], cos_P_D.shape[1]
+    q_B_H_D = qkv_B_X[:, :H * D].view(B, H, D)
+    k_B_K_D = qkv_B_X[:, H * D:(H + K) * D].view(B, K, D)
+    v_B_K_D = qkv_B_X[:, (H + K) * D:].view(B, K, D)
+    cos_B_D, sin_B_D = cos_P_D[pos_B], sin_P_D[pos_B]
+    s = int(slot)
+    k_cache_B_K_L_D[:, :, s] = rotate(k_B_K_D, cos_B_D, sin_B_D)
+    v_cache_B_K_L_D[:, :, s] = v_B_K_D
+    return rotate(q_B_H_D, cos_B_D, sin_B_D)
+
+
+def attention_ref(q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end: int, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v over cache slots ``start_b <= s < end`` of each row, in float32;
+    (B, H, D) in q's dtype. Query head h reads K/V head h // G."""
+    B, H, D = q_B_H_D.shape
+    K, L = k_cache_B_K_L_D.shape[1], k_cache_B_K_L_D.shape[2]
+    G = H // K
+    q_B_K_G_D = q_B_H_D.float().view(B, K, G, D)
+    scores_B_K_G_L = torch.matmul(q_B_K_G_D, k_cache_B_K_L_D.float().transpose(-1, -2)) * scale
+    s_L = torch.arange(L, device=q_B_H_D.device)
+    visible_B_L = (s_L[None, :] >= start_B[:, None]) & (s_L[None, :] < int(end))
+    scores_B_K_G_L = scores_B_K_G_L.masked_fill(~visible_B_L[:, None, None, :], float("-inf"))
+    out_B_K_G_D = torch.matmul(scores_B_K_G_L.softmax(-1), v_cache_B_K_L_D.float())
+    return out_B_K_G_D.reshape(B, H, D).to(q_B_H_D.dtype)
+
+
+def rms_norm_ref(x_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama/Qwen RMSNorm: float32 statistics, the normalised row rounded to x's dtype, then times the
+    weight in that dtype."""
+    x32_B_H = x_B_H.float()
+    y_B_H = x32_B_H * torch.rsqrt(x32_B_H.pow(2).mean(-1, keepdim=True) + eps)
+    return weight_H * y_B_H.to(x_B_H.dtype)
+
+
+def add_rms_norm_ref(h_B_H: torch.Tensor, r_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float):
+    """The residual add ``h += r`` in h's dtype (in place), then ``rms_norm_ref`` of the sum: (h, normed)."""
+    h_B_H.add_(r_B_H)
+    return h_B_H, rms_norm_ref(h_B_H, weight_H, eps)
+
+
+def silu_mul_ref(gu_B_X: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate/up projection (B, 2I) -> (B, I), each op rounded to the
+    input dtype as the module's ``act_fn(gate) * up`` rounds it."""
+    gate_B_I, up_B_I = gu_B_X.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate_B_I) * up_B_I
+
+
+def gumbel_argmax_ref(raw_B_V: torch.Tensor, seeds_B: torch.Tensor, t, temperature: float,
+                      n_vocab: int) -> torch.Tensor:
+    """The id ``policy_scores`` samples at top-p 1 and temperature > 0 (B,): argmax over ids < n_vocab
+    of float64 ``raw / τ`` + the Gumbel noise of ``(seed_b, t, id)``."""
+    from opdkit.engines.sampling import policy_scores
+
+    scores_B_V, _ = policy_scores(raw_B_V, seeds_B, t, temperature, 1.0, n_vocab)
+    return scores_B_V.argmax(-1)
+
+
+# --- Triton kernels ---------------------------------------------------------------------------
+
+
+def available() -> bool:
+    """Triton is importable (the kernels then run on CUDA, or anywhere under TRITON_INTERPRET=1)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+_K = None
+
+
+def _kernels() -> dict:
+    """The Triton kernels (``engines.decode_triton``), imported at first use: importing this module
+    never imports Triton."""
+    global _K
+    if _K is None:
+        from opdkit.engines import decode_triton as t
+
+        assert UNIFORM_BITS == 52 and _GOLDEN + (1 << 64) == 0x9E3779B97F4A7C15  # the constants written there
+        assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+        _K = dict(rope_cache=t.rope_cache_kernel, attn_partial=t.attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
+                  silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, rms_norm=t.rms_norm_kernel,
+                  add_rms_norm=t.add_rms_norm_kernel)
+    return _K
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class AttentionPlan:
+    """The split of a cache of ``L`` slots over (B, K) heads for ``attention`` (flash decoding), with
+    its preallocated float32 partials, so a CUDA graph can replay it: NSPLIT splits of CHUNK slots
+    (about 512 programs in all), each program reading only the visible slots of its split."""
+
+    BLOCK_N = 64
+
+    def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 512):
+        self.B, self.H, self.K, self.D, self.L = B, H, K, D, L
+        splits = max(1, min(64, _next_pow2(-(-programs // (B * K)))))  # programs / (B K) splits, at most 64
+        per_split = -(-L // splits)
+        self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N  # slots per split, whole blocks
+        self.nsplit = -(-L // self.chunk)
+        self.acc = torch.empty((B, H, self.nsplit, D), dtype=torch.float32, device=device)
+        self.m = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)
+        self.l = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)
+
+
+def rope_cache(qkv_B_X, cos_P_D, sin_P_D, pos_B, slot_1, k_cache_B_K_L_D, v_cache_B_K_L_D, H: int, K: int,
+               slot_offset: int = 0):
+    """``rope_cache_ref`` as one kernel, at slot ``slot_1 + slot_offset`` read on the device (``slot_1``: a
+    1-element int64 tensor)."""
+    k = _kernels()
+    B, D = qkv_B_X.shape[0], cos_P_D.shape[1]
+    q_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
+    sb, sk, sl, _ = k_cache_B_K_L_D.stride()
+    k["rope_cache"][(B, H + 2 * K)](qkv_B_X, cos_P_D, sin_P_D, pos_B, slot_1, slot_offset, q_B_H_D, k_cache_B_K_L_D,
+                                    v_cache_B_K_L_D, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, D=D)
+    return q_B_H_D
+
+
+def attention(q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, scale: float, plan: AttentionPlan,
+              end_offset: int = 0) -> torch.Tensor:
+    """``attention_ref`` with ``end = end_1 + end_offset`` read on the device (a 1-element tensor)."""
+    k = _kernels()
+    B, H, D = q_B_H_D.shape
+    K = k_cache_B_K_L_D.shape[1]
+    G = H // K
+    sb, sk, sl, _ = k_cache_B_K_L_D.stride()
+    k["attn_partial"][(B, K, plan.nsplit)](
+        q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc, plan.m, plan.l, scale,
+        sb, sk, sl, K=K, G=G, GP=max(16, _next_pow2(G)), D=D, CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N,
+        NSPLIT=plan.nsplit, IEEE=q_B_H_D.dtype == torch.float32)
+    out_B_H_D = torch.empty_like(q_B_H_D)
+    k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
+                               D=D)
+    return out_B_H_D
+
+
+def rms_norm(x_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float) -> torch.Tensor:
+    k = _kernels()
+    B, N = x_B_H.shape
+    out_B_H = torch.empty((B, N), dtype=x_B_H.dtype, device=x_B_H.device)
+    k["rms_norm"][(B,)](x_B_H, weight_H, out_B_H, N, eps, x_B_H.stride(0), BLOCK=_next_pow2(N))
+    return out_B_H
+
+
+def add_rms_norm(h_B_H: torch.Tensor, r_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float):
+    """``add_rms_norm_ref`` as one kernel (``h_B_H`` updated in place)."""
+    k = _kernels()
+    B, N = h_B_H.shape
+    out_B_H = torch.empty((B, N), dtype=h_B_H.dtype, device=h_B_H.device)
+    k["add_rms_norm"][(B,)](h_B_H, r_B_H, weight_H, out_B_H, N, eps, h_B_H.stride(0), r_B_H.stride(0),
+                            BLOCK=_next_pow2(N))
+    return h_B_H, out_B_H
+
+
+def silu_mul(gu_B_X: torch.Tensor) -> torch.Tensor:
+    k = _kernels()
+    B, inter = gu_B_X.shape[0], gu_B_X.shape[1] // 2
+    out_B_I = torch.empty((B, inter), dtype=gu_B_X.dtype, device=gu_B_X.device)
+    BLOCK = 1024
+    k["silu_mul"][(B, -(-inter // BLOCK))](gu_B_X, out_B_I, inter, gu_B_X.stride(0), BLOCK=BLOCK)
+    return out_B_I
+
+
+class GumbelPlan:
+    """Preallocated per-block maxima for ``gumbel_argmax`` over V ids in blocks of BLOCK."""
+
+    BLOCK = 4096
+
+    def __init__(self, B: int, n_vocab: int, temperature: float, device):
+        self.n_vocab, self.temperature = n_vocab, float(temperature)
+        self.nblk = -(-n_vocab // self.BLOCK)
+        self.val = torch.empty((B, self.nblk), dtype=torch.float64, device=device)
+        self.idx = torch.empty((B, self.nblk), dtype=torch.int64, device=device)
+        self.tau_1 = torch.full((1,), self.temperature, dtype=torch.float64, device=device)
+
+
+def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
+    """``gumbel_argmax_ref`` at ``plan.temperature`` (float32 ``raw_B_V``; ``t_1`` a 1-element int64 device
+    tensor)."""
+    k = _kernels()
+    B, temperature = raw_B_V.shape[0], plan.temperature
+    k["gumbel"][(B, plan.nblk)](raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.n_vocab,
+                                raw_B_V.stride(0), NBLK=plan.nblk, BLOCK=plan.BLOCK, TEMPERED=temperature != 1.0)
+    best_B = plan.val.argmax(-1, keepdim=True)
+    return plan.idx.gather(1, best_B)[:, 0]

@@ -1,0 +1,162 @@
+"""The Triton kernels behind ``engines.decode_kernels`` (imported only when they run: this module
+imports Triton). Each kernel's semantics is its reference in ``decode_kernels``; shapes as there."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, slot_offset, q_out_ptr, k_ptr, v_ptr,
+                      stride_qkv, stride_cb, stride_ck, stride_cl,
+                      H: tl.constexpr, K: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.program_id(1)  # 0..H-1: query heads; H..H+K-1: key heads; H+K..H+2K-1: value heads
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    row = qkv_ptr + b * stride_qkv + j * D
+    x = tl.load(row + d).to(tl.float32)
+    slot = tl.load(slot_ptr) + slot_offset
+    if j < H + K:
+        pos = tl.load(pos_ptr + b)
+        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+        partner = tl.load(row + (d + half) % D).to(tl.float32)
+        rot = tl.where(d < half, -partner, partner)
+        y = (x * cos + rot * sin).to(q_out_ptr.dtype.element_ty)
+        if j < H:
+            tl.store(q_out_ptr + (b * H + j) * D + d, y)
+        else:
+            tl.store(k_ptr + b * stride_cb + (j - H) * stride_ck + slot * stride_cl + d, y)
+    else:
+        tl.store(v_ptr + b * stride_cb + (j - H - K) * stride_ck + slot * stride_cl + d,
+                 x.to(v_ptr.dtype.element_ty))
+
+@triton.jit
+def attn_partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc_ptr, m_ptr, l_ptr, scale,
+                        stride_cb, stride_ck, stride_cl,
+                        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+                        IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    start = tl.load(start_ptr + b)
+    end = tl.load(end_ptr) + end_offset
+    lo = tl.maximum(start, s * CHUNK)
+    hi = tl.minimum(end, s * CHUNK + CHUNK)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    gmask = g < G
+    q = tl.load(q_ptr + ((b * K + kh) * G + g[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    base = b * stride_cb + kh * stride_ck
+    for i in range(0, CHUNK // BLOCK_N):  # a static trip count; blocks outside [lo, hi) are skipped
+        n0 = s * CHUNK + i * BLOCK_N
+        if (n0 < hi) & (n0 + BLOCK_N > lo):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = (n >= lo) & (n < hi)
+            kv_off = base + n[:, None] * stride_cl + d[None, :]
+            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+            if IEEE:
+                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                sc = tl.dot(q, tl.trans(k))
+            sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: the block holds a visible slot
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    h = kh * G + g
+    part = (b * (K * G) + h) * NSPLIT + s
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(m_ptr + part, m_i, mask=gmask)
+    tl.store(l_ptr + part, l_i, mask=gmask)
+
+@triton.jit
+def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
+                       D: tl.constexpr):
+    bh = tl.program_id(0)  # b * H + h
+    s = tl.arange(0, NSP)
+    d = tl.arange(0, D)
+    valid = s < NSPLIT
+    m = tl.load(m_ptr + bh * NSPLIT + s, mask=valid, other=float("-inf"))
+    lsum = tl.load(l_ptr + bh * NSPLIT + s, mask=valid, other=0.0)
+    mx = tl.max(m, 0)
+    w = tl.where(valid & (m > float("-inf")), tl.exp(m - mx), 0.0)
+    acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=valid[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * lsum, 0)
+    tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+
+@triton.jit
+def silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = i < inter
+    gate = tl.load(gu_ptr + b * stride_gu + i, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + b * stride_gu + inter + i, mask=m, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out_ptr + b * inter + i, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=m)
+
+@triton.jit
+def _mix64(z):  # engines.sampling._mix64 on uint64 (logical shifts, products modulo 2**64)
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+@triton.jit
+def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, n_vocab, stride_raw,
+                  NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    v = j * BLOCK + tl.arange(0, BLOCK)
+    valid = v < n_vocab
+    z = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0).to(tl.float64)
+    if TEMPERED:
+        z = z / tl.load(tau_ptr)  # float64 τ: z / τ as policy_logits divides
+    seed = tl.load(seeds_ptr + b).to(tl.uint64)
+    t = tl.load(t_ptr).to(tl.uint64)
+    key = _mix64(seed * 0x9E3779B97F4A7C15 + t)  # uniform_noise: one stream per (row, token index)
+    bits = _mix64(key + v.to(tl.uint64) * 0x9E3779B97F4A7C15)
+    u = ((bits >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16  # (k + 1/2) 2**-52, k the top 52 bits
+    gum = -tl.log(-tl.log(u))
+    score = tl.where(valid, z + gum, float("-inf"))
+    best = tl.max(score, 0)
+    at = tl.argmax(score, 0)
+    tl.store(val_ptr + b * NBLK + j, best)
+    tl.store(idx_ptr + b * NBLK + j, (j * BLOCK + at).to(tl.int64))
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    x = tl.load(x_ptr + b * stride_x + i, mask=m, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    y = (x * (1.0 / tl.sqrt_rn(var + eps))).to(out_ptr.dtype.element_ty)  # rounded, then scaled (HF's order)
+    w = tl.load(w_ptr + i, mask=m, other=0.0)
+    tl.store(out_ptr + b * N + i, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, N, eps, stride_h, stride_r, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    h = tl.load(h_ptr + b * stride_h + i, mask=m, other=0.0)
+    r = tl.load(r_ptr + b * stride_r + i, mask=m, other=0.0)
+    s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # the residual add, rounded as the module's
+    tl.store(h_ptr + b * stride_h + i, s, mask=m)
+    x = s.to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    y = (x * (1.0 / tl.sqrt_rn(var + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + i, mask=m, other=0.0)
+    tl.store(out_ptr + b * N + i, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)

@@ -1,0 +1,107 @@
+"""Run by tests/test_decode_kernels.py in a process of its own with TRITON_INTERPRET=1 (Triton's
+interpreter runs the kernels of opdkit.engines.decode_kernels on CPU tensors; it must be set before
+Triton is imported). Each check compares a kernel with its torch reference (float32: the interpreter
+rounds float32 -> bf16 toward zero, not to nearest, so bf16 is checked on the GPU, tests/test_gpu.py),
+and the whole fused decoder with kernels against HF generate. Prints one line per check; exits 1 on a
+failure."""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from opdkit.engines import decode_kernels as dk  # noqa: E402
+
+failures = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}")
+    if not ok:
+        failures.append(name)
+
+
+def kernels() -> None:
+    torch.manual_seed(0)
+    B, H, K, D, L, inter, V = 3, 6, 2, 32, 300, 40, 5000
+    qkv = torch.randn(B, (H + 2 * K) * D)
+    ang_P = torch.randn(400, D // 2)
+    cos, sin = torch.cat([ang_P.cos()] * 2, -1), torch.cat([ang_P.sin()] * 2, -1)
+    pos = torch.tensor([5, 17, 399])
+    kc1, vc1 = torch.randn(B, K, L, D), torch.randn(B, K, L, D)
+    kc2, vc2 = kc1.clone(), vc1.clone()
+    q1 = dk.rope_cache_ref(qkv, cos, sin, pos, 123, kc1, vc1, H, K)
+    q2 = dk.rope_cache(qkv, cos, sin, pos, torch.tensor([120]), kc2, vc2, H, K, slot_offset=3)
+    check("rope_cache", torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2))
+    for programs in (4, 24, 512):  # 1, 4 and many splits of the cache
+        plan = dk.AttentionPlan(B, H, K, D, L, "cpu", programs=programs)
+        for start, end in (([0, 40, 250], 260), ([0, 0, 0], 1), ([299, 10, 0], 300)):
+            want = dk.attention_ref(q1, kc1, vc1, torch.tensor(start), end, D ** -0.5)
+            got = dk.attention(q1, kc1, vc1, torch.tensor(start), torch.tensor([end - 7]), D ** -0.5, plan,
+                               end_offset=7)
+            err = float((want - got).abs().max())
+            check(f"attention splits={plan.nsplit} start={start} end={end}", err < 1e-5, f"max err {err:.2e}")
+    x, w = torch.randn(B, 96) * 3, torch.randn(96)
+    err = float((dk.rms_norm_ref(x, w, 1e-6) - dk.rms_norm(x, w, 1e-6)).abs().max())
+    check("rms_norm", err < 1e-5, f"max err {err:.2e}")
+    h1, r = torch.randn(B, 96), torch.randn(B, 96)
+    h2 = h1.clone()
+    a_h, a_x = dk.add_rms_norm_ref(h1, r, w, 1e-6)
+    b_h, b_x = dk.add_rms_norm(h2, r, w, 1e-6)
+    err = float((a_x - b_x).abs().max())
+    check("add_rms_norm", torch.equal(a_h, b_h) and torch.equal(h2, h1) and err < 1e-5, f"max err {err:.2e}")
+    gu = torch.randn(B, 2 * inter) * 4
+    err = float((dk.silu_mul_ref(gu) - dk.silu_mul(gu)).abs().max())
+    check("silu_mul", err < 1e-6, f"max err {err:.2e}")
+    raw = torch.randn(B, V) * 3
+    seeds = torch.tensor([1, 2 ** 62 + 5, 7])
+    for tau in (1.0, 0.6, 1.1):
+        plan = dk.GumbelPlan(B, V - 100, tau, "cpu")
+        same = all(torch.equal(dk.gumbel_argmax_ref(raw, seeds, t, tau, V - 100),
+                               dk.gumbel_argmax(raw, seeds, torch.tensor([t]), plan)) for t in (0, 1, 7, 1000, 2 ** 40))
+        check(f"gumbel_argmax tau={tau}", same)
+
+
+def decoder() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from opdkit.embedded.tokenizer import build_tokenizer
+    from opdkit.engines.base import left_pad
+    from opdkit.engines.hf import HFEngine
+    from opdkit.engines.sampling import sample_seed
+    from opdkit.engines.static import StaticDecoder
+
+    tok = build_tokenizer()
+    kw = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
+              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]]
+    for name, model, top_p, tau, calls in (  # (the interpreter runs each kernel launch in Python: kept short)
+            ("qwen3 (q/k norms), Gumbel kernel", Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=8)), 1.0, 0.7, 2),
+            ("qwen2 (biases), top-p sampling", Qwen2ForCausalLM(Qwen2Config(**kw)), 0.9, 1.0, 1)):
+        torch.manual_seed(1)
+        model.eval()
+        G, T = 1, 14
+        seeds = [sample_seed(7, 3, i) for i in range(len(prompts) * G)]
+        ro = HFEngine(model, tok, static_cache=False).sample(prompts, samples_per_prompt=G, seeds=seeds,
+                                                             temperature=tau, top_p=top_p, max_new_tokens=T)
+        ids, mask = left_pad([p for p in prompts for _ in range(G)], tok.pad_token_id)
+        dec = StaticDecoder(model, dtype=torch.float32, kernels=True, steps_per_graph=4, prompt_slots=8)
+        for call in range(calls):  # a second call reuses the session's buffers
+            out, logp = dec.generate(ids, mask, seeds, temperature=tau, top_p=top_p, max_new_tokens=T,
+                                     eos_ids=[tok.eos_token_id], check_every=8)
+            m = ro.completion_mask_B_T.bool()
+            W = m.shape[1]
+            same = out.shape[1] >= W and torch.equal(out[:, :W][m], ro.completion_ids_B_T[m])
+            err = float((logp[:, :W][m] - ro.sampling_logp_B_T[m]).abs().max()) if same else float("nan")
+            check(f"decoder {name} call {call}: tokens as generate, log-probs", same and err < 1e-5,
+                  f"max err {err:.2e}")
+
+
+if __name__ == "__main__":
+    kernels()
+    decoder()
+    sys.exit(1 if failures else 0)

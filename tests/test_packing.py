@@ -1,0 +1,63 @@
+"""runtime.unpadded_rows as one packed forward (opdkit.packing) against each row run alone
+(teacher.completion_hidden's row-by-row path), on the CPU (the attention function's per-row
+fallback: the packing, positions, row boundaries and the scatter back are what is checked here; the
+varlen FlashAttention itself in tests/test_gpu.py)."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from opdkit import packing
+from opdkit.engines.base import left_pad
+from opdkit.teacher import build_geometry, completion_hidden
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_packed_hidden_states_and_gradients_equal_row_by_row(arch, tok):
+    kw = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=8)) if arch == "qwen3" else Qwen2ForCausalLM(Qwen2Config(**kw))
+    model.gradient_checkpointing_enable()  # the keywords that carry the row boundaries pass through it
+    model.train()
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]]
+    pid, pmask = left_pad(prompts, tok.pad_token_id)
+    comp = torch.randint(5, 30, (3, 9))
+    cmask = torch.ones(3, 9)
+    cmask[1, 4:] = 0
+    cmask[2, 1:] = 0
+    geo = build_geometry(pid, pmask, comp, cmask)
+    weight_H = torch.linspace(-1, 1, 32)
+    got = {}
+    for name, fn in (("rows", lambda: completion_hidden(model, geo, unpadded=True)),
+                     ("packed", lambda: packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S,
+                                                              geo.prompt_width, geo.completion_len))):
+        model.zero_grad()
+        h = fn()
+        (h * weight_H).sum().backward()
+        got[name] = (h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (h_rows, g_rows), (h_packed, g_packed) = got["rows"], got["packed"]
+    assert h_packed.shape == h_rows.shape == (3, 9, 32)
+    assert torch.allclose(h_packed, h_rows, atol=1e-5) and h_rows.abs().max() > 0.1
+    assert (h_packed[2, 1:] == 0).all() and (h_packed[1, 4:] == 0).all()  # past a row's completion: zeros
+    assert g_rows.keys() == g_packed.keys() and len(g_rows) > 10
+    for n in g_rows:
+        assert torch.allclose(g_packed[n], g_rows[n], rtol=1e-4, atol=1e-5), n
+    # a forward without row boundaries (a padded batch) still attends as sdpa, with its mask
+    batched = model.model(input_ids=geo.input_ids_B_S, attention_mask=geo.attention_mask_B_S,
+                          position_ids=geo.position_ids_B_S).last_hidden_state
+    model.config._attn_implementation = "sdpa"
+    want = model.model(input_ids=geo.input_ids_B_S, attention_mask=geo.attention_mask_B_S,
+                       position_ids=geo.position_ids_B_S).last_hidden_state
+    assert torch.allclose(batched, want, atol=1e-6)
+
+
+def test_a_completion_with_a_gap_is_refused(tok):
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    pid, pmask = left_pad([tok("Compute 3+4.").input_ids], tok.pad_token_id)
+    cmask = torch.tensor([[1.0, 0.0, 1.0]])
+    geo = build_geometry(pid, pmask, torch.tensor([[5, 6, 7]]), cmask)
+    with pytest.raises(ValueError, match="gap"):
+        packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S, geo.prompt_width, 3)
