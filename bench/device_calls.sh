@@ -6,9 +6,11 @@
 #   b: carry .lane .v1           the formal replay under MAX_WALL_TIME_SECONDS=300 (bench/formal_timeline.sh, ~5.5 min)
 #   c: carry .lane .v2 .whl      vLLM unpacked; opdkit and TRL + its vLLM at 1,024 / 7,168 / 3,072 new tokens,
 #                                pair by pair (bench/s1_speed.sh table, ~9.5 min)
+#   vt: as d, the vLLM teacher's tests only (~3 min)
+#   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .fixture .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
-#                                (bench/signal_lane.sh), then the vLLM teacher's tests (the fixture needs datasets,
-#                                from .whl) (~5 min)
+#                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
+#                                from .whl) (~10 min; run the tests apart with vt where the call is short)
 # Each writes what it measured under $OUT (8 files at most come back).
 set -uo pipefail
 PHASE=${1:?usage: bash bench/device_calls.sh a|b|c|d}
@@ -20,8 +22,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 if [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 60000000 ]; then R=/dev/shm/lane; else R=/tmp/lane; fi
 lim() { local s=$1; shift; timeout -k 10 "$s" "$@"; echo "$* -> rc=$? ($(date -u +%T))" >> "$OUT/calls.txt"; }
-[ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
+[ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
 case $PHASE in
+  copy) ;;
+  t)
+    lim 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
+      tests/test_packing.py tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    ;;
   a)
     lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
       tests/test_packing.py > "$OUT/tests.txt" 2>&1
@@ -35,11 +42,11 @@ case $PHASE in
     SPEED_BUDGET_S=${SPEED_BUDGET_S:-560} SPEED_LENGTHS="${SPEED_LENGTHS:-1024 7168 3072}" SPEED_TRL_STEPS=3 \
       bash bench/s1_speed.sh table >> "$OUT/parts.txt" 2>&1
     ;;
-  d)
-    lim 260 bash bench/signal_lane.sh >> "$OUT/parts.txt" 2>&1
+  d|vt)
+    [ "$PHASE" = vt ] || lim 380 bash bench/signal_lane.sh >> "$OUT/parts.txt" 2>&1
     [ -d /tmp/trlsite/datasets ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trlsite \
       .whl/*.whl >> "$OUT/parts.txt" 2>&1
-    PYTHONPATH=$PYTHONPATH:/tmp/trlsite OPDKIT_FIXTURE_DIR=$PWD/.fixture lim 150 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rfE \
+    PYTHONPATH=$PYTHONPATH:/tmp/trlsite OPDKIT_FIXTURE_DIR=$PWD/.fixture lim 210 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rfE \
       tests/test_vllm_teacher.py > "$OUT/tests_vllm.txt" 2>&1
     ;;
 esac

@@ -1,5 +1,5 @@
 # Sourced by the device scripts: the vLLM tree in /tmp/site, unpacked from its three parts in /tmp/vparts
-# (../shared's recipe: part_00 part_01 part_02, one carried per call) once all three are there. A tree from
+# (the offline vLLM 0.26.0 tree, xz'd and split: part_00 part_01 part_02, one carried per call) once all three are there. A tree from
 # fewer parts is a truncated archive that imports nothing (a session's device calls lost their vLLM runs
 # to one): it is never unpacked, and a tree without vllm/version.py is removed and unpacked again.
 if [ -z "${LANE_TINY:-}${SPEED_TINY:-}${SIGNAL_LANE_TINY:-}" ] && [ ! -f /tmp/site/vllm/version.py ]; then

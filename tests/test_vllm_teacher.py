@@ -118,7 +118,9 @@ def _pair(fx, cut):
 
 def test_training_with_the_server_teacher_is_training_with_the_hf_teacher(fx, cut, hf, tmp_path):
     _, _, _, served = hf
-    common = [*_pair(fx, cut), *TINY, "loss.name=k1", "budget.max_steps=2"]
+    # both runs on the CPU in fp32, as the fake server scores: the comparison is of the protocol, exact to rounding
+    # (on a GPU the in-process teacher's TF32/bf16 scores differ from the server's fp32 ones by ~1e-4 relative)
+    common = [*_pair(fx, cut), *TINY, "loss.name=k1", "budget.max_steps=2", "runtime.device=cpu"]
     with FakeVLLMServer(served, str(cut)) as server:
         assert _cli("train", "--out", str(tmp_path / "vllm"),
                     overrides=[*common, "teacher.source=vllm", f"teacher.url={server.url}"]) == 0
@@ -279,7 +281,7 @@ def test_the_doctor_compares_the_vllm_teacher_with_the_hf_teacher(fx, cut, hf, t
         rc = _cli("doctor", "--student", str(fx / "student"), "--teacher", str(cut), "--data",
                   str(fx / "data" / "train.parquet"),
                   overrides=["teacher.source=vllm", f"teacher.url={server.url}", "loss.name=k1", "data.chat_template=true",
-                             "runtime.threads=1", "doctor.max_new_tokens=8"])
+                             "runtime.threads=1", "doctor.max_new_tokens=8", "runtime.device=cpu"])
     table = " ".join(capsys.readouterr().out.split())
     if mode == "ok":
         assert "OK alignment (vllm teacher)" in table and "|vLLM teacher - HF teacher log-prob| max" in table

@@ -235,7 +235,11 @@ class VLLMEngine:
         self.pad_id, self.eos_ids = pad_and_eos(base, tokenizer)
         self.n_vocab = sampling_vocab(base, tokenizer)
         self.max_prompt_tokens = cfg.rollout.max_prompt_tokens
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # torchrun's ranks (distributed.launched: RANK, WORLD_SIZE, LOCAL_RANK set) share one engine layout; a
+        # process group without them is an earlier in-process vLLM engine's own (vLLM leaves its world group
+        # initialised), not torchrun's: external_launcher would then fail reading RANK
+        distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                       and all(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK")))
         kw = llm_kwargs(cfg, path, self.n_vocab, world_size=torch.distributed.get_world_size() if distributed else 1,
                         cuda=device.type == "cuda")
         if distributed:
