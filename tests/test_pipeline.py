@@ -340,10 +340,11 @@ def test_dvc_repro_on_tiny_params(tmp_path):
             if (repo / _module_file(repo, module)).is_file():  # (not a failed optional import)
                 seen.setdefault(stage, set()).add(_module_file(repo, module))
     assert set(seen) >= {"train", "eval", "study_padding", "nb_rollout_inspection"}
-    for name, files in seen.items():
-        missing = [f for f in sorted(files - NOT_A_CODE_DEP)
-                   if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in declared[name])]
-        assert not missing, f"stage {name} imports {missing} but does not list them as deps"
+    missing = {name: [f for f in sorted(files - NOT_A_CODE_DEP)
+                      if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in declared[name])]
+               for name, files in seen.items()}
+    missing = {name: files for name, files in missing.items() if files}
+    assert not missing, f"stages import modules they do not list as deps (stage: modules): {missing}"
 
     # nothing changed: a second repro runs nothing, and status is clean
     assert _ran(_dvc(repo, env, "repro")) == set()
