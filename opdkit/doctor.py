@@ -12,8 +12,8 @@ the compute dtype, both scored over the shared vocabulary), on one batch of the 
 - alignment, per engine: the sampling-time log-probs against the recomputed ones
   (``opd.alignment_report``, the check every run makes on its first batch): the HF engine here,
   vLLM where it is installed and the device is CUDA;
-- self KL: the student as its own teacher through the loss path (``opd.score_batch`` +
-  ``opd.micro_losses``) must give KL ~ 0;
+- self KL: the student as its own teacher through the loss path (``step.score_batch`` +
+  ``step.micro_losses``) must give KL ~ 0;
 - teacher repeat: the teacher scores the batch twice, identically (no dropout, no nondeterminism);
 - top-K mass, for a top-K loss (topk_fkl, topk_rkl): verl's ``teacher_mass`` / ``student_mass`` /
   ``overlap_ratio`` on the batch and the mass the loss's support sets aside (WARN under 90%);
@@ -35,6 +35,7 @@ import textwrap
 import torch
 
 from opdkit import loss_table, offline, opd, pairs
+from opdkit import step as opd_step
 from opdkit.config import Config, ConfigError, replace
 from opdkit.data import encode_prompt
 from opdkit.engines import vllm as vllm_engine
@@ -172,8 +173,8 @@ def alignment_finding(check: str, cfg: Config, batch: opd.Batch, student, precis
 
 
 def self_kl_finding(cfg: Config, student, batch: opd.Batch, ac, tol: float) -> Finding:
-    contexts = opd.score_batch(cfg, student, batch, ac)
-    m = opd.micro_losses(cfg, student, batch, contexts, ac)
+    contexts = opd_step.score_batch(cfg, student, batch, ac)
+    m = opd_step.micro_losses(cfg, student, batch, contexts, ac)
     student.zero_grad(set_to_none=True)
     kl = m["kl"]
     detail = f"the student as its own teacher through the {cfg.loss.name} loss path: KL {kl:.2g} on {int(m['tokens'])} tokens"
@@ -193,7 +194,7 @@ def teacher_repeat_finding(cfg: Config, teacher, batch: opd.Batch, ac, tol: floa
     if teacher is None:
         return Finding("teacher repeat", SKIP, f"teacher.source={cfg.teacher.source}: the teacher is the student "
                        "(self KL checks it)")
-    first, second = (torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, teacher, batch, ac)]) for _ in range(2))
+    first, second = (torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, teacher, batch, ac)]) for _ in range(2))
     m_B_T = batch.rollout.completion_mask_B_T.bool()
     d = float((first - second)[m_B_T].abs().max()) if m_B_T.any() else 0.0
     if d == 0.0:
@@ -221,7 +222,7 @@ def topk_finding(cfg: Config, student, teacher, batch: opd.Batch, ac) -> Finding
     check = "top-K mass"
     if teacher is None:
         return Finding(check, SKIP, "no teacher weights here to score the batch with")
-    m = opd.micro_losses(cfg, student, batch, opd.score_batch(cfg, teacher, batch, ac), ac)
+    m = opd_step.micro_losses(cfg, student, batch, opd_step.score_batch(cfg, teacher, batch, ac), ac)
     student.zero_grad(set_to_none=True)
     key, what, fix, tail = TOPK_LOSSES[cfg.loss.name]
     detail = (f"loss.name={cfg.loss.name}, K={cfg.loss.topk} on {int(m['tokens'])} sampled tokens: teacher_mass "
@@ -270,11 +271,11 @@ def vllm_teacher_finding(cfg: Config, inputs: Inputs, teacher, batch: opd.Batch,
     log(f"scoring the batch with the vLLM teacher ({cfg.teacher.url or 'colocated engine'})")
     try:
         scorer = vllm_teacher.make_teachers(cfg, inputs, device, log)
-        got = torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, scorer, batch, ac)])
+        got = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, scorer, batch, ac)])
     except (vllm_teacher.VLLMTeacherError, ImportError, RuntimeError, ValueError) as e:
         return Finding(check, FAIL, f"the vLLM teacher could not score the batch: {type(e).__name__}: {e}",
                        "start the server (vllm serve DIR --max-logprobs K) or install vLLM; see the message")
-    want = torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, teacher, batch, ac)])
+    want = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, teacher, batch, ac)])
     m_B_T = batch.rollout.completion_mask_B_T.bool()
     d_N = (got.to(want.device) - want)[m_B_T].abs()
     d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)

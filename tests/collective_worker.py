@@ -7,7 +7,7 @@ Run by ``tests/test_collectives.py``::
 For each case (a name and params overrides) every rank builds the run as the trainer does
 (``build_run``, then ``shard_run``), takes its share of a global batch of ``LENGTHS`` completion
 tokens per row (so the ranks' longest completions, and hence their numbers of position chunks,
-differ), and runs the loop's update phase: teacher scoring, ``opd.micro_losses``, the metrics
+differ), and runs the loop's update phase: teacher scoring, ``step.micro_losses``, the metrics
 reduction, the clipped global norm and the optimizer step. Each rank writes
 ``OUT/<case>/rank<r>.json``: the collectives it issued in that update and in ``micro_losses``
 alone (``count_collectives``: every collective, whoever issues it, counted where gloo runs it), its
@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch.profiler import record_function
 
-from opdkit import distributed, guards, opd
+from opdkit import distributed, guards, opd, step as opd_step
 from opdkit.config import load_config
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.weights import full
@@ -118,10 +118,10 @@ def one_step(cfg, run, batch: opd.Batch, world: distributed.World) -> dict:
     collectives counted (over the whole update, and in ``micro_losses``), this rank's T and chunk
     count, and ``grads``: the clipped gradients the optimizer stepped with, full (unsharded) tensors."""
     with count_collectives() as counts:
-        contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+        contexts = opd_step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
         (n_tok,) = world.sum(batch.rollout.n_tokens)
         with record_function("opdkit:micro_losses"):
-            m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+            m = opd_step.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
         m = distributed.reduce_metrics(m, world)
         trainable = [p for p in run.student.parameters() if p.requires_grad]
         m["grad_norm"] = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip)

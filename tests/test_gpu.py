@@ -106,6 +106,7 @@ def test_lora_policy_is_merged_into_the_inference_copy(tok):
 
 def _step_grads(tok, grad_ckpt: bool):
     from opdkit import opd
+    from opdkit import step as opd_step
     from opdkit.config import config_from_dict
     from opdkit.engines.hf import HFEngine
 
@@ -125,8 +126,8 @@ def _step_grads(tok, grad_ckpt: bool):
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
-    contexts = opd.score_batch(cfg, teacher, batch, autocast)
-    m = opd.micro_losses(cfg, student, batch, contexts, autocast)
+    contexts = opd_step.score_batch(cfg, teacher, batch, autocast)
+    m = opd_step.micro_losses(cfg, student, batch, contexts, autocast)
     return m, {n: p.grad.clone() for n, p in student.named_parameters()}, ro
 
 

@@ -220,11 +220,11 @@ def test_a_sampled_token_outside_the_current_nucleus_has_weight_zero():
 
 @pytest.mark.parametrize("name", ["rkl", "k2", "k3"])
 def test_the_training_step_differentiates_the_sampling_policy(tiny_llama, tok, name):
-    """``opd.micro_losses`` on a rollout at τ 0.6 / top-p 0.9: loss and LM-head gradient equal a
+    """``step.micro_losses`` on a rollout at τ 0.6 / top-p 0.9: loss and LM-head gradient equal a
     reference from plain forwards of the models and the numpy nucleus (teacher at temperature 1)."""
     import copy
 
-    from opdkit import opd
+    from opdkit import opd, step as opd_step
     from opdkit.config import Config, replace
     from opdkit.engines.hf import HFEngine
 
@@ -239,8 +239,8 @@ def test_the_training_step_differentiates_the_sampling_policy(tiny_llama, tok, n
     ro = HFEngine(student, tok).sample(prompts, samples_per_prompt=2, seeds=[1, 2, 3, 4], temperature=0.6, top_p=0.9,
                                        max_new_tokens=12)
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    ctx = opd.score_batch(cfg, teacher, batch, __import__("contextlib").nullcontext)
-    m = opd.micro_losses(cfg, student, batch, ctx, __import__("contextlib").nullcontext)
+    ctx = opd_step.score_batch(cfg, teacher, batch, __import__("contextlib").nullcontext)
+    m = opd_step.micro_losses(cfg, student, batch, ctx, __import__("contextlib").nullcontext)
     got_grad = student.lm_head.weight.grad.clone()
     student.zero_grad()
 

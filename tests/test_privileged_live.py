@@ -6,7 +6,7 @@ input (computed here by a plain HF forward of each unpadded sequence), and diffe
 import pytest
 import torch
 
-from opdkit import opd, trainer_state
+from opdkit import opd, step as opd_step, trainer_state
 from opdkit.config import Config, replace
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
@@ -44,14 +44,14 @@ def _teacher_scores(source, state):
                                                      temperature=1.0, top_p=1.0, max_new_tokens=16)
     priv = run.prompts(examples, privileged=True)
     t_ids, t_mask = left_pad(priv, run.tokenizer.pad_token_id)
-    ctx = opd.teacher_context(cfg, run.teacher, opd.Batch(ro, t_ids, t_mask), slice(None), run.teacher_ctx)
+    ctx = opd_step.teacher_context(cfg, run.teacher, opd.Batch(ro, t_ids, t_mask), slice(None), run.teacher_ctx)
     rows = []
     for b, p in enumerate(priv):  # (teacher score, the student's own, the frozen base's) per token
         n = int(ro.completion_mask_B_T[b].sum())
         comp = ro.completion_ids_B_T[b, :n].tolist()
         with run.student.disable_adapter():
             base = _own_logp(run.student, p, comp)
-        rows.append((ctx["logp_B_T"][b, :n], _own_logp(run.student, p, comp), base))
+        rows.append((ctx.logp_B_T[b, :n], _own_logp(run.student, p, comp), base))
     return run, rows
 
 

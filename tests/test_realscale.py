@@ -177,7 +177,7 @@ def _without_padding_rows(model, n: int):
 def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_padding_rows(fx):
     from dataclasses import replace
 
-    from opdkit import opd
+    from opdkit import opd, step as opd_step
     from opdkit.config import load_config
     from opdkit.data import encode_prompt, load_examples
     from opdkit.models import load_model, load_tokenizer
@@ -229,8 +229,8 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
         results = []
         for s_model, t_model in ((student, teacher), (student_cut, teacher_cut)):
             s_model.zero_grad(set_to_none=True)
-            contexts = opd.score_batch(cfg, t_model, batch, contextlib.nullcontext)
-            m = opd.micro_losses(cfg, s_model, batch, contexts, contextlib.nullcontext)
+            contexts = opd_step.score_batch(cfg, t_model, batch, contextlib.nullcontext)
+            m = opd_step.micro_losses(cfg, s_model, batch, contexts, contextlib.nullcontext)
             grads = dict(s_model.named_parameters())
             results.append((m, {k: grads[k].grad.clone() for k in probe}, grads["lm_head.weight"].grad.clone()))
         (m_a, g_a, head_a), (m_b, g_b, head_b) = results

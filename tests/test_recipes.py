@@ -123,7 +123,7 @@ def test_the_released_objective_is_the_per_entry_clipped_forward_kl():
     import torch
     from scipy.special import rel_entr, softmax
 
-    from opdkit import loss_table, losses
+    from opdkit import loss_table
 
     from opdkit.engines.sampling import policy_logits
 
@@ -137,8 +137,8 @@ def test_the_released_objective_is_the_per_entry_clipped_forward_kl():
     mask = torch.ones(2, 5, dtype=torch.float64)
     mask[1, 3:] = 0
     t_logp = torch.log_softmax(t_logits, -1)  # the teacher's log-probs at temperature 1, as the kit scores them
-    policy = loss_table.update_policy(cfg.loss, cfg.rollout)  # what opd._chunk_loss hands the loss
-    loss, _ = getattr(losses, spec.fn)(policy_logits(s_logits, *policy), t_logp, mask, float(mask.sum()),
+    policy = loss_table.update_policy(cfg.loss, cfg.rollout)  # what step.chunk_loss hands the loss
+    loss, _ = spec.function(policy_logits(s_logits, *policy), t_logp, mask, float(mask.sum()),
                                        **spec.params(cfg.loss))
 
     p_S, p_T = softmax(s_logits.detach().numpy() / T, -1), softmax(t_logits.numpy() / T, -1)
@@ -157,7 +157,7 @@ def test_the_released_objective_is_the_per_entry_clipped_forward_kl():
     # less certain elsewhere (negative summands survive)
     s2 = torch.tensor([[[2.0, 2.0, 2.0, 2.0]]], dtype=torch.float64) * T
     t2 = torch.log_softmax(torch.tensor([[[6.0, 1.0, 1.0, 1.0]]], dtype=torch.float64) * T, -1)
-    neg, _ = getattr(losses, spec.fn)(policy_logits(s2, *policy), t2, torch.ones(1, 1, dtype=torch.float64), 1.0,
+    neg, _ = spec.function(policy_logits(s2, *policy), t2, torch.ones(1, 1, dtype=torch.float64), 1.0,
                                       **spec.params(cfg.loss))
     p_S2, p_T2 = softmax([2.0, 2.0, 2.0, 2.0]), softmax([6.0, 1.0, 1.0, 1.0])
     assert float(neg) == pytest.approx(float(np.minimum(rel_entr(p_T2, p_S2), tau).sum()), rel=1e-6) and float(neg) < 0

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from opdkit import opd
+from opdkit import step as opd_step
 from opdkit.cli import main as opdkit_main
 from opdkit.config import load_config
 from opdkit.engines import vllm_teacher as vt
@@ -90,16 +91,16 @@ def test_the_server_teacher_scores_as_the_hf_teacher(fx, cut, hf, loss):
     cfg = load_config(None, [f"loss.name={loss}", "loss.topk=8", "teacher.source=vllm"])
     with FakeVLLMServer(served, str(cut)) as server:
         client = vt.ServerTeacher(server.url, cut, N_IDS, 30.0, log=lambda *a: None)
-        got = opd.score_batch(replace_micro(cfg, 4), client, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(replace_micro(cfg, 4), client, batch, contextlib.nullcontext)
     assert len(server.requests) == 1 and server.requests[0]["prompt_logprobs"] == (8 if loss == "topk_fkl" else 0)
-    want = opd.score_batch(replace_micro(cfg, 4), teacher, batch, contextlib.nullcontext)
+    want = opd_step.score_batch(replace_micro(cfg, 4), teacher, batch, contextlib.nullcontext)
     m = batch.rollout.completion_mask_B_T.bool()
     for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
         mm = m[rows]
-        torch.testing.assert_close(g["logp_B_T"][mm], w["logp_B_T"][mm], rtol=0, atol=2e-5)
+        torch.testing.assert_close(g.logp_B_T[mm], w.logp_B_T[mm], rtol=0, atol=2e-5)
         if loss == "topk_fkl":
-            assert torch.equal(g["topk_ids_B_T_K"][mm], w["topk_ids_B_T_K"][mm])
-            torch.testing.assert_close(g["topk_logp_B_T_K"][mm], w["topk_logp_B_T_K"][mm], rtol=0, atol=2e-5)
+            assert torch.equal(g.topk_ids_B_T_K[mm], w.topk_ids_B_T_K[mm])
+            torch.testing.assert_close(g.topk_logp_B_T_K[mm], w.topk_logp_B_T_K[mm], rtol=0, atol=2e-5)
 
 
 def replace_micro(cfg, n: int):
@@ -255,18 +256,18 @@ def test_the_colocated_vllm_teacher_agrees_with_the_hf_teacher(small_pair):
                                   batch.rollout.completion_ids_B_T, 64)
     for loss in ("k1", "topk_fkl"):
         cfg = load_config(None, [*base, f"loss.name={loss}"])
-        got = opd.score_batch(cfg, engine, batch, contextlib.nullcontext)[0]
-        want = opd.score_batch(cfg, teacher, batch, contextlib.nullcontext)[0]
-        d = (got["logp_B_T"].cpu() - want["logp_B_T"])[m].abs()
+        got = opd_step.score_batch(cfg, engine, batch, contextlib.nullcontext)[0]
+        want = opd_step.score_batch(cfg, teacher, batch, contextlib.nullcontext)[0]
+        d = (got.logp_B_T.cpu() - want.logp_B_T)[m].abs()
         print(f"{loss}: |vLLM - HF| teacher log-prob of the sampled tokens: max {float(d.max()):.3g}, "
               f"mean {float(d.mean()):.3g} over {int(m.sum())} tokens")
-        d_all = (got["logp_B_T"].cpu() - all_rows)[m].abs()
+        d_all = (got.logp_B_T.cpu() - all_rows)[m].abs()
         print(f"  (against the teacher over all its rows, padding included: mean {float(d_all.mean()):.3g})")
         assert float(d.max()) <= tol_max and float(d.mean()) <= tol_mean
         assert float(d.mean()) < float(d_all.mean()) / 2  # bf16 rounding, not the distribution over the padding rows
         if loss == "topk_fkl":
-            same = (got["topk_ids_B_T_K"].cpu()[m][:, :4] == want["topk_ids_B_T_K"][m][:, :4]).float().mean()
-            dk = (got["topk_logp_B_T_K"].cpu()[m] - want["topk_logp_B_T_K"][m]).abs()
+            same = (got.topk_ids_B_T_K.cpu()[m][:, :4] == want.topk_ids_B_T_K[m][:, :4]).float().mean()
+            dk = (got.topk_logp_B_T_K.cpu()[m] - want.topk_logp_B_T_K[m]).abs()
             print(f"top-8: first 4 ids agree {float(same):.3f}; |d log-prob| mean {float(dk.mean()):.3g}")
             assert same > 0.8 and float(dk.mean()) <= tol_mean
 
@@ -304,10 +305,10 @@ def test_several_teachers_each_on_its_server(fx, cut, hf, tmp_path_factory):
     with FakeVLLMServer(served, str(cut)) as s1, FakeVLLMServer(load_model(cut2, CPU, torch.float32), str(cut2)) as s2:
         remote = teachers.TeacherSet(("a", "b"), [vt.ServerTeacher(s.url, d, N_IDS, 30.0, log=lambda *a: None)
                                                   for s, d in ((s1, cut), (s2, cut2))])
-        got = opd.score_batch(cfg, remote, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(cfg, remote, batch, contextlib.nullcontext)
     assert len(s1.requests) == len(s2.requests) == 1  # one request per teacher for the step's rows
-    want = opd.score_batch(cfg, teachers.TeacherSet(("a", "b"), [teacher, teacher2]), batch, contextlib.nullcontext)
+    want = opd_step.score_batch(cfg, teachers.TeacherSet(("a", "b"), [teacher, teacher2]), batch, contextlib.nullcontext)
     m = batch.rollout.completion_mask_B_T.bool()
     for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
-        torch.testing.assert_close(g["logp_B_T"][m[rows]], w["logp_B_T"][m[rows]], rtol=0, atol=2e-5)
-        assert torch.equal(g["topk_ids_B_T_K"][m[rows]], w["topk_ids_B_T_K"][m[rows]])
+        torch.testing.assert_close(g.logp_B_T[m[rows]], w.logp_B_T[m[rows]], rtol=0, atol=2e-5)
+        assert torch.equal(g.topk_ids_B_T_K[m[rows]], w.topk_ids_B_T_K[m[rows]])

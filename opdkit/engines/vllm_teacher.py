@@ -49,6 +49,7 @@ import torch
 
 from opdkit import loss_table
 from opdkit.engines import vllm as vllm_engine
+from opdkit.scores import TeacherScores
 
 NEG_INF_AS = -9999.0  # vLLM's server writes -inf log-probs as this (clamp_prompt_logprobs)
 # the colocated engine's max_model_len, in the student's prompt + completion tokens: x1, or with teacher.tokenizer=own
@@ -158,8 +159,8 @@ def parse_scores(prompt_logprobs, sent: list[int], echoed: list[int] | None, n_p
     return logp, top_ids, top_lp
 
 
-def scores_to_context(scores: list[tuple], T: int, k: int, device) -> dict:
-    """Rows' ``parse_scores`` as ``opd.teacher_context``'s tensors: ``logp_B_T`` (0 past each
+def scores_to_context(scores: list[tuple], T: int, k: int, device) -> TeacherScores:
+    """Rows' ``parse_scores`` as ``step.teacher_context``'s tensors: ``logp_B_T`` (0 past each
     completion), and with k > 0 ``topk_ids_B_T_K`` / ``topk_logp_B_T_K``."""
     B = len(scores)
     logp_B_T = torch.zeros((B, T))
@@ -170,19 +171,19 @@ def scores_to_context(scores: list[tuple], T: int, k: int, device) -> dict:
         if k and n:
             ids_B_T_K[b, :n] = torch.tensor(top_ids)
             lp_B_T_K[b, :n] = torch.tensor(top_lp)
-    ctx = {"logp_B_T": logp_B_T.to(device)}
+    ctx = TeacherScores(logp_B_T.to(device))
     if k:
-        ctx["topk_ids_B_T_K"], ctx["topk_logp_B_T_K"] = ids_B_T_K.to(device), lp_B_T_K.to(device)
+        ctx.topk_ids_B_T_K, ctx.topk_logp_B_T_K = ids_B_T_K.to(device), lp_B_T_K.to(device)
     return ctx
 
 
 class _Scorer:
-    """What both kinds share: ``score`` (``opd.score_rows``' protocol) over ``_prompt_logprobs``."""
+    """What both kinds share: ``score`` (``step.score_rows``' protocol) over ``_prompt_logprobs``."""
 
     name: str
     n_vocab: int
 
-    def score(self, cfg, batch, row_sets: list) -> list[dict]:
+    def score(self, cfg, batch, row_sets: list) -> list[TeacherScores]:
         k = prompt_logprobs_k(cfg)
         per_set = [sequences(batch, rows) for rows in row_sets]
         flat = [s for seqs, _, _ in per_set for s in seqs]
