@@ -85,11 +85,13 @@ class LossSpec:
 
 
 def _clip_params(L) -> dict:
-    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf, "teacher_temperature": L.teacher_temperature}
+    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf,
+            "teacher_temperature": L.teacher_temperature}
 
 
 LOSSES: dict[str, LossSpec] = {s.name: s for s in (
-    LossSpec("k1", lambda: _losses().k1_loss, _TOKEN, "token", lambda L: {"clip_eps": L.clip_eps, "dual_clip": L.dual_clip},
+    LossSpec("k1", lambda: _losses().k1_loss, _TOKEN, "token",
+             lambda L: {"clip_eps": L.clip_eps, "dual_clip": L.dual_clip},
              ("kl", "advantage_mean", "ratio_clipped_frac", "dual_clipped_frac", "ratio_max", "tokens"),
              "KL(p_S || p_T)", "PPO policy gradient, per-token advantage log p_T - log p_S (loss.clip_eps, "
              "loss.dual_clip)", reward="advantage"),
@@ -97,9 +99,11 @@ LOSSES: dict[str, LossSpec] = {s.name: s for s in (
              "KL(p_S || p_T)", "1/2 (log p_S - log p_T)^2 of each sampled token, differentiated directly"),
     LossSpec("k3", lambda: _losses().k3_loss, _TOKEN, "token", lambda L: {}, ("kl", "k3", "ratio_max", "tokens"),
              "KL(p_T || p_S)", "r - 1 - log r (r = p_T / p_S) of each sampled token, differentiated directly"),
-    LossSpec("topk_fkl", lambda: _losses().topk_fkl_loss, ("logits_B_T_V", "topk_ids_B_T_K", "topk_logp_B_T_K", "mask_B_T", "n_tokens"),
+    LossSpec("topk_fkl", lambda: _losses().topk_fkl_loss,
+             ("logits_B_T_V", "topk_ids_B_T_K", "topk_logp_B_T_K", "mask_B_T", "n_tokens"),
              "topk", lambda L: {"tail_bucket": L.tail_bucket},
-             ("fkl_topk", "rkl_topk", "teacher_topk_mass", "student_topk_mass", "topk_overlap", *_TOPK_METRICS, "tokens"),
+             ("fkl_topk", "rkl_topk", "teacher_topk_mass", "student_topk_mass", "topk_overlap", *_TOPK_METRICS,
+              "tokens"),
              "KL(p_T || p_S) over the teacher's top-K (+ tail bucket)",
              "forward KL over the teacher's top-K ids (loss.topk, loss.tail_bucket)"),
     LossSpec("topk_rkl", lambda: _losses().topk_rkl_loss, _FULL, "full",
@@ -114,7 +118,8 @@ LOSSES: dict[str, LossSpec] = {s.name: s for s in (
     LossSpec("jsd", lambda: _losses().jsd_loss, _FULL, "full", lambda L: {"beta": L.jsd_beta, **_clip_params(L)},
              _CLIP_METRICS + ("jsd",), "generalized JSD_beta(p_T, p_S)",
              "generalized JSD of GKD (loss.jsd_beta: 0 forward KL, 1 reverse KL)"),
-    LossSpec("sft", lambda: _losses().sft_loss, ("logp_B_T", "mask_B_T", "n_tokens"), "token", lambda L: {}, ("nll", "tokens"),
+    LossSpec("sft", lambda: _losses().sft_loss, ("logp_B_T", "mask_B_T", "n_tokens"), "token", lambda L: {},
+             ("nll", "tokens"),
              "KL(p_data || p_S) (cross-entropy)", "control: supervised NLL of teacher samples or reference "
              "solutions (loss.sft_source)", reward="none"),
 )}
@@ -190,8 +195,8 @@ def help_text() -> str:
     """One line per loss: name, what it is, the divergence its expected gradient follows; then the convention."""
     lines = [f"  {s.name:9s}{s.summary}; gradient of {s.divergence}" for s in LOSSES.values()]
     offline = ", ".join(n for n in LOSS_NAMES if trains_offline(n))
-    lines.append(f"  offline (-S rollout.source=offline -S rollout.offline_file=POOL, a pool from `opdkit offline-rollouts`; "
-                 f"docs/offline_opd.md): {offline}")
+    lines.append("  offline (-S rollout.source=offline -S rollout.offline_file=POOL, a pool from "
+                 f"`opdkit offline-rollouts`; docs/offline_opd.md): {offline}")
     return "\n".join(lines) + "\n\n" + textwrap.fill(CONVENTION, 100, initial_indent="  ", subsequent_indent="  ")
 
 

@@ -21,8 +21,16 @@ from opdkit.config import Config
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.sampling import sample_seed
 from opdkit.engines.select import engine_name
-from opdkit.teacher import (AlignmentError, Geometry, build_geometry, build_right_padded_geometry, check_alignment,
-                            completion_hidden, token_logprobs, unwrap)
+from opdkit.teacher import (
+    AlignmentError,
+    Geometry,
+    build_geometry,
+    build_right_padded_geometry,
+    check_alignment,
+    completion_hidden,
+    token_logprobs,
+    unwrap,
+)
 
 GEOMETRIES = {"left": build_geometry, "right": build_right_padded_geometry}  # data.pad_side
 
@@ -45,7 +53,8 @@ def step_seeds(seed: int, step: int, n: int, offset: int = 0) -> list[int]:
     return [sample_seed(seed, step, offset + i) for i in range(n)]
 
 
-def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_id: int, eos_id: int, device) -> Rollout:
+def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_id: int, eos_id: int,
+                      device) -> Rollout:
     """Reference solutions laid out like a rollout (for the ``sft`` control on references)."""
     ids_B_Sp, mask_B_Sp = left_pad(prompts, pad_id, device)
     comps = [s + [eos_id] for s in solutions]
@@ -55,8 +64,9 @@ def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_
     for i, c in enumerate(comps):
         comp_B_T[i, : len(c)] = torch.tensor(c)
         cmask_B_T[i, : len(c)] = 1
-    return Rollout(ids_B_Sp, mask_B_Sp, comp_B_T.to(device), cmask_B_T.to(device), torch.zeros_like(cmask_B_T).to(device),
-                   torch.zeros(len(comps), dtype=torch.bool, device=device), torch.arange(len(comps), device=device))
+    return Rollout(ids_B_Sp, mask_B_Sp, comp_B_T.to(device), cmask_B_T.to(device),
+                   torch.zeros_like(cmask_B_T).to(device), torch.zeros(len(comps), dtype=torch.bool, device=device),
+                   torch.arange(len(comps), device=device))
 
 
 def teacher_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:

@@ -47,8 +47,8 @@ def check_params(cfg) -> str | None:
     if T.device and not DEVICE_RE.match(T.device):
         return f"teacher.device={T.device!r}: expected '' (the student's device), cpu, cuda or cuda:N"
     if T.device and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return (f"teacher.device={T.device!r} is for one process; under torchrun each rank holds its teacher on its own "
-                "GPU (runtime.teacher_sharding), or use teacher.source=vllm with a server (teacher.url)")
+        return (f"teacher.device={T.device!r} is for one process; under torchrun each rank holds its teacher on its "
+                "own GPU (runtime.teacher_sharding), or use teacher.source=vllm with a server (teacher.url)")
     if T.device and T.source != "model":
         return (f"teacher.device={T.device!r} places a teacher model (teacher.source=model); teacher.source={T.source} "
                 "has none in this process (set teacher.device='')")
@@ -58,17 +58,20 @@ def check_params(cfg) -> str | None:
     if specs or column:
         if not (specs and column):
             return ("several teachers need both params key 'teachers' (name and path of each) and data.teacher_column "
-                    f"(the column naming each row's teacher); got {len(specs)} teachers and data.teacher_column={column!r}")
+                    f"(the column naming each row's teacher); got {len(specs)} teachers and "
+                    f"data.teacher_column={column!r}")
         names = [t.name for t in specs]
         if len(set(names)) != len(names):
             return f"params key 'teachers': each name once; got {names}"
         if T.source not in ("model", "vllm"):
-            return f"params key 'teachers' routes rows to teacher models; teacher.source={T.source} is the student itself"
+            return (f"params key 'teachers' routes rows to teacher models; teacher.source={T.source} is the student "
+                    "itself")
         if T.path:
             return (f"teacher.path={T.path!r} and params key 'teachers' are both set: with several teachers each one's "
                     "path is in 'teachers' (set teacher.path='')")
         if loss_table.samples_from(cfg.loss) == "teacher":
-            return "loss.name=sft samples from one teacher; with several teachers use an OPD loss (or loss.sft_source=reference)"
+            return ("loss.name=sft samples from one teacher; with several teachers use an OPD loss "
+                    "(or loss.sft_source=reference)")
         if T.source == "model" and any(t.url for t in specs):
             return "a url in params key 'teachers' is for teacher.source=vllm (a server per teacher)"
     return None

@@ -69,18 +69,37 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import deadline, distributed, guards, interrupt, loss_table, overlap, step as opd_step, tracking, trainer_state
-from opdkit.rundir import METRICS_FILE, RUN_FILE, Start, TrainResult, begin, check_output_dir, finish, is_published, step_row
+from opdkit import (
+    deadline,
+    distributed,
+    guards,
+    interrupt,
+    loss_table,
+    overlap,
+    step as opd_step,
+    tracking,
+    trainer_state,
+)
 from opdkit.checkpoints import list_checkpoints
 from opdkit.config import Config, to_dict
+from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
+from opdkit.engines.select import make_engine
 from opdkit.fsutil import OutputLock, atomic_write_json
 from opdkit.publish import Publisher
-from opdkit.weights_io import export_dtype, parse_size
-from opdkit.engines.select import make_engine
+from opdkit.rundir import (
+    METRICS_FILE,
+    RUN_FILE,
+    Start,
+    TrainResult,
+    begin,
+    check_output_dir,
+    finish,
+    is_published,
+    step_row,
+)
 from opdkit.schedules import lr_at, should_stop, wallclock_clock
-from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs
-
+from opdkit.weights_io import export_dtype, parse_size
 
 # --- publishing and stopping ------------------------------------------------------------------
 
@@ -152,7 +171,8 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     return inputs
 
 
-def train(cfg: Config, out: str | Path, log=print, progress: bool = True, started_at: float | None = None) -> TrainResult:
+def train(cfg: Config, out: str | Path, log=print, progress: bool = True,
+          started_at: float | None = None) -> TrainResult:
     """One OPD run into ``out`` (or the rest of one); raises on any failure (the caller maps it to
     an exit status). ``RunError``/``DataError``/``ModelError``/``ConfigError`` raised before the
     lock is taken leave ``out`` exactly as it was; ``LockHeld`` if another run writes there.
@@ -172,7 +192,8 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True, starte
     with contextlib.ExitStack() as locks:
         if world.is_main:
             locks.enter_context(OutputLock(out))
-            if cfg.runtime.state_dir and Path(cfg.runtime.state_dir).resolve() != out.resolve():  # CKPT_DIR: a lock of its own
+            # CKPT_DIR: a lock of its own
+            if cfg.runtime.state_dir and Path(cfg.runtime.state_dir).resolve() != out.resolve():
                 locks.enter_context(OutputLock(cfg.runtime.state_dir, "trainer state directory"))
         try:
             try:
@@ -189,7 +210,8 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True, starte
             try:  # best effort: the failure itself may be the file system
                 atomic_write_json(out / RUN_FILE, {"status": "failed", "error": f"{type(e).__name__}: {e}",
                                                    **getattr(e, "record", {}),
-                                                   "checkpoints": [c.name for c in list_checkpoints(out / "checkpoints")]})
+                                                   "checkpoints": [c.name for c in
+                                                                   list_checkpoints(out / "checkpoints")]})
             except OSError:
                 pass
             raise
@@ -199,7 +221,7 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True, starte
 class _Loop:
     """What the loop runs with, built once per start by ``_setup``."""
     run: Run
-    sampling: opd_step.Sampling  # who draws a step's samples (the student's engine, the sft control's, this rank's share)
+    sampling: opd_step.Sampling  # who draws a step's samples (the student's engine, the sft control's, this rank's)
     publisher: Publisher | distributed.NullPublisher
     metrics_f: object  # train.jsonl, appended to (os.devnull on ranks other than 0)
     tracker: tracking.Tracker
@@ -210,7 +232,8 @@ class _Loop:
     exports_seen: int = 0  # the publisher's export timings already in ``clock``
 
 
-def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World, start: Start) -> _Loop:
+def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World,
+           start: Start) -> _Loop:
     """Build the run (restored from ``start.state``, sharded under torchrun), its samplers, the
     publisher and metrics file; publish the restored weights if they never were (and no newer
     checkpoint is there); measure the write rate the first saves are estimated at; open the tracker."""
@@ -235,7 +258,8 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
         metrics_f = (out / METRICS_FILE).open("a")
     else:
         publisher, metrics_f = distributed.NullPublisher(), open(os.devnull, "w")
-    # offline: the pool serves the stored samples (it is the run's teacher too: opdkit.offline); else the student's sampler
+    # offline: the pool serves the stored samples (it is the run's teacher too: opdkit.offline); else the student's
+    # sampler
     engine = run.teacher if cfg.rollout.source == "offline" else make_engine(cfg, run.student, run.tokenizer)
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
@@ -252,13 +276,14 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
     if world.is_main and b.max_wall_time_s > 0 and b.write_probe_mb > 0:
         rate = deadline.probe_write_rate([trainer_state.directory(out, cfg.runtime.state_dir), out / "checkpoints"],
                                          b.write_probe_mb << 20)
-        log(f"write probe: {b.write_probe_mb} MiB at {rate / 1e9:.2f} GB/s (the first saves are reserved at their bytes "
-            f"over this rate x {b.save_estimate_factor:g})")
+        log(f"write probe: {b.write_probe_mb} MiB at {rate / 1e9:.2f} GB/s (the first saves are reserved at their "
+            f"bytes over this rate x {b.save_estimate_factor:g})")
     clock = deadline.SaveClock(deadline.state_bytes(run.student, run.ema),
                                deadline.export_bytes(run.student, run.extras["publish_dtype"]), rate,
                                b.save_estimate_factor)
     sampling = opd_step.Sampling(engine, teacher_engine, mine, reads_logp)
-    lp = _Loop(run, sampling, publisher, metrics_f, tracker=None, published_step=None, state_step=state_step, ahead=start.ahead, clock=clock)
+    lp = _Loop(run, sampling, publisher, metrics_f, tracker=None, published_step=None, state_step=state_step,
+               ahead=start.ahead, clock=clock)
     step = start.step
     if step and world.from_main(is_published(out, step)):
         lp.published_step = step
@@ -292,7 +317,8 @@ def _save(cfg: Config, out: Path, lp: _Loop, step: int, elapsed: float, data_pos
     lp.publisher.wait()
     interrupt.ensure_installed(log)  # a save is never cut short by a handler that is not ours
     t0 = time.monotonic()
-    path = trainer_state.save(out, lp.run, step, elapsed, data_pos, log, lp.sampling.engine.state() if cfg.rollout.overlap else None)
+    pending = lp.sampling.engine.state() if cfg.rollout.overlap else None
+    path = trainer_state.save(out, lp.run, step, elapsed, data_pos, log, pending)
     seconds = time.monotonic() - t0
     lp.state_step = step
     nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if distributed.current().is_main else 0
@@ -403,14 +429,15 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 if abandoned:
                     _set_rng_states(rng)  # as if the step had never started: a resumed run draws it again
                     reason = abandoned
-                    log(f"step {step + 1} abandoned during its rollout after {time.monotonic() - t0:.1f}s ({abandoned}): "
-                        f"its weights were not updated; saving step {step}")
+                    log(f"step {step + 1} abandoned during its rollout after {time.monotonic() - t0:.1f}s "
+                        f"({abandoned}): its weights were not updated; saving step {step}")
             if reason:
                 stop = deadline.decision(reason, step, elapsed, last_step_s, save_s, parts, b.max_wall_time_s,
                                          b.deadline_reserve_s, bool(abandoned))
                 if b.max_wall_time_s:
-                    log(f"stopping at step {step} ({reason}) after {elapsed:.1f}s of the {b.max_wall_time_s:g}s budget; "
-                        f"reserved {stop['reserved_s']:.1f}s: next step {last_step_s:.1f}s, saves {save_s:.1f}s ("
+                    log(f"stopping at step {step} ({reason}) after {elapsed:.1f}s of the {b.max_wall_time_s:g}s "
+                        f"budget; reserved {stop['reserved_s']:.1f}s: next step {last_step_s:.1f}s, "
+                        f"saves {save_s:.1f}s ("
                         + ", ".join(f"{k} {v['s']:.1f}s {v['basis']}" for k, v in parts.items())
                         + f"), deadline reserve {b.deadline_reserve_s:g}s")
                 break
@@ -441,7 +468,8 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             t3 = _clock(run.device)
             last_step_s, after_rollout_s = t3 - t0, t3 - t1
             elapsed = elapsed0 + t3 - t_start
-            waited = lp.sampling.engine.pop_waited() if cfg.rollout.overlap else 0.0  # waiting for the prefetch: rollout time
+            # waiting for the prefetch: rollout time
+            waited = lp.sampling.engine.pop_waited() if cfg.rollout.overlap else 0.0
             row = step_row(step, elapsed, lr, m, grad_norm, n_tok, n_seq, n_trunc, last_step_s,
                            (t1 - t0 + waited, t2 - t1, t3 - t2 - waited), world.max(_peak_memory_gb(run.device))[0],
                            lag if cfg.rollout.overlap else None, align, bad)

@@ -39,7 +39,7 @@ TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.m
 # {when}: a Python expression over n, the 1-based call count of the patched function.
 INJECT = {
     "nan_grad": """
-        import opdkit.opd as o
+        import opdkit.step as o
         real = o.micro_losses
         def patched(cfg, student, *a, **k):
             m = real(cfg, student, *a, **k)
@@ -49,7 +49,7 @@ INJECT = {
         o.micro_losses = patched
     """,
     "oom_score": """
-        import torch, opdkit.opd as o
+        import torch, opdkit.step as o
         real = o.score_batch
         def patched(*a, **k):
             if WHEN(count()):

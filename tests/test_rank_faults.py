@@ -34,7 +34,7 @@ FAULTS = {
     "stall": """
         import torch
         import torch.distributed as dist
-        import opdkit.opd as o
+        import opdkit.step as o
 
         real = o.micro_losses
 
