@@ -41,7 +41,8 @@ BASE = ["runtime.threads=1", "runtime.device=cpu", "rollout.prompts_per_step=2",
         "budget.max_steps=1", "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=0.01"]
 PROMPT_LENS = (5, 8, 4, 6)  # of the global batch's rows (repeated for more rows)
 LENGTHS = (9, 7, 3, 2)  # completion tokens per row (2 prompts x 2 samples): T is 9 on rank 0 (rows 0-1), 3 on rank 1
-REWARD_ADV = (1.0, -1.0, 0.5, -0.5)  # with loss.reward_weight: each row's group-centred reward (opdkit.rewards), planted
+# with loss.reward_weight: each row's group-centred reward (opdkit.rewards), planted
+REWARD_ADV = (1.0, -1.0, 0.5, -0.5)
 
 
 @contextlib.contextmanager

@@ -60,12 +60,12 @@ def test_live_teacher_is_the_current_student_with_adapters(trained_state):
     live_run, live = _teacher_scores("privileged_live", trained_state)
     lora_B = [p for n, p in live_run.student.named_parameters() if "lora_B" in n]
     assert lora_B and max(float(p.detach().abs().max()) for p in lora_B) > 1e-3  # the updates moved the adapters
-    for teacher_N, own_N, base_N in live:
+    for teacher_N, own_N, _ in live:
         assert torch.allclose(teacher_N, own_N, atol=1e-5), (teacher_N - own_N).abs().max()
     # the adapters change the scores: live != the frozen base
     assert max(float((own_N - base_N).abs().max()) for _, own_N, base_N in live) > 1e-2
 
     _, fixed = _teacher_scores("privileged_fixed", trained_state)
-    for (live_N, _, _), (fixed_N, _, base_N) in zip(live, fixed):
+    for (_, _, _), (fixed_N, _, base_N) in zip(live, fixed):
         assert torch.allclose(fixed_N, base_N, atol=1e-5)  # fixed: the frozen base (the initial student)
     assert max(float((live_N - fixed_N).abs().max()) for (live_N, _, _), (fixed_N, _, _) in zip(live, fixed)) > 1e-2

@@ -103,7 +103,8 @@ def test_rows_are_scored_by_the_teacher_they_name(fx, fx2, models, loss):
     one = load_config(None, common)
     nc = contextlib.nullcontext
     routed = opd_step.score_batch(cfg, teachers.TeacherSet(("a", "b"), [a, b]), batch, nc)
-    alone = {name: opd_step.score_batch(one, t, batch, nc)[0] for name, t in (("a", a), ("b", b))}  # every row, one call
+    # every row, one call
+    alone = {name: opd_step.score_batch(one, t, batch, nc)[0] for name, t in (("a", a), ("b", b))}
     got = torch.cat([c.logp_B_T for c in routed])
     for name, rows in (("a", [0, 3]), ("b", [1, 2])):
         torch.testing.assert_close(got[rows], alone[name].logp_B_T[rows], rtol=0, atol=1e-5)
@@ -243,7 +244,8 @@ def test_a_teacher_elsewhere_scores_the_full_vocabulary_with_a_copy_of_its_head(
     assert moved[0]["head"] is not unwrap(a)[1] and moved[0]["head"].weight.shape[0] == len(tok)
     m_moved = opd_step.micro_losses(cfg, student, batch, moved, nc)
     g_moved = _grads(student)
-    assert m_moved["loss"] == pytest.approx(m_here["loss"], rel=1e-6) and m_moved["kl"] == pytest.approx(m_here["kl"], rel=1e-6)
+    assert m_moved["loss"] == pytest.approx(m_here["loss"], rel=1e-6)
+    assert m_moved["kl"] == pytest.approx(m_here["kl"], rel=1e-6)
     for k in g_here:
         torch.testing.assert_close(g_moved[k], g_here[k], rtol=1e-5, atol=1e-8, msg=k)
     with torch.no_grad():  # the copy is the restricted head: padding rows cut, the same logits on the tokenizer's ids
@@ -262,5 +264,6 @@ def test_a_teacher_on_the_cpu_beside_a_student_on_the_gpu(tmp_path):
     for name, setting in (("gpu", ""), ("cpu", "cpu")):
         train(replace(Config(), *EMB, "loss.name=rkl", f"teacher.device={setting}", "runtime.device=cuda"),
               tmp_path / name, log=lambda *a: None, progress=False)
-        losses_[name] = [json.loads(ln)["loss"] for ln in (tmp_path / name / "metrics" / "train.jsonl").read_text().splitlines()]
+        rows = (tmp_path / name / "metrics" / "train.jsonl").read_text().splitlines()
+        losses_[name] = [json.loads(ln)["loss"] for ln in rows]
     assert losses_["cpu"] == pytest.approx(losses_["gpu"], rel=0.05)
