@@ -13,7 +13,7 @@ them: budgets, signals, saves, train.jsonl)::
    (``opd.Batch``; a privileged teacher also sees the reference). *Reward branch*: with
    ``loss.reward_weight`` > 0 every completion is graded (``rewards.attach``). The alignment
    self-check (``check_alignment``) runs on the first batch of a start.
-2. **Teacher scoring** (``score``): per micro-batch, what the loss needs of the teacher
+2. **Teacher scoring** (``score_batch``): per micro-batch, what the loss needs of the teacher
    (``loss_table.teacher_need``): sampled-token log-probs, top-K, or hidden states and head for the
    full distribution, as ``scores.TeacherScores``. *Several-teachers branch*: a
    ``teachers.TeacherSet`` scores each row with the teacher it names, merged as one teacher's.

@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdkit import opd
-from opdkit import step as opd_step
+from fake_vllm_server import FakeVLLMServer
+from opdkit import opd, step as opd_step
 from opdkit.cli import main as opdkit_main
 from opdkit.config import load_config
 from opdkit.engines import vllm_teacher as vt
 from opdkit.models import load_model, load_tokenizer
 from opdkit.pairs import use_shared_vocab
-from fake_vllm_server import FakeVLLMServer
 from qwen2_fixture import fixture_dir
 
 CPU = torch.device("cpu")
@@ -76,7 +75,8 @@ def test_vocab_cut_keeps_the_tokenizers_ids_only(fx, cut):
     assert json.loads((cut / "config.json").read_text())["vocab_size"] == N_IDS
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert src[name].shape[0] == 152064 and torch.equal(dst[name], src[name][:N_IDS])
-    assert all(torch.equal(dst[k], v) for k, v in src.items() if k not in ("model.embed_tokens.weight", "lm_head.weight"))
+    cut_rows = ("model.embed_tokens.weight", "lm_head.weight")
+    assert all(torch.equal(dst[k], v) for k, v in src.items() if k not in cut_rows)
     assert (cut / "tokenizer.json").is_file() and (cut / "generation_config.json").is_file()
     assert opdkit_main(["vocab-cut", "--model", str(fx / "teacher"), "--out", str(cut)]) == 2  # never overwrites
 
@@ -129,7 +129,8 @@ def test_training_with_the_server_teacher_is_training_with_the_hf_teacher(fx, cu
             for k in ("vllm", "hf")}
     for a, b in zip(rows["vllm"], rows["hf"]):
         assert a["tokens"] == b["tokens"]
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-5) and a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode, needle", [("error", "HTTP 400: Requested prompt logprobs of 16"),
@@ -155,13 +156,13 @@ def test_a_failing_server_stops_the_step_loudly(fx, cut, hf, tmp_path, capsys, m
 def test_what_a_vllm_teacher_cannot_serve_is_refused_in_one_line(fx, cut, tmp_path, capsys):
     for extra, needle in ((["loss.name=rkl", f"teacher.path={cut}"], "needs the teacher's full distribution"),
                           (["loss.name=k1", f"teacher.path={fx / 'teacher'}"], "opdkit vocab-cut --model"),
-                          (["loss.name=k1", f"teacher.path={cut}", "teacher.url=localhost:8000"], "expected the base URL"),
-                          (["loss.name=k1", f"teacher.path={cut}", "data.pad_side=right", "runtime.unpadded_rows=false"],
-                           "scores each row unpadded")):
-        rc = _cli("train", "--out", str(tmp_path / "x"), overrides=[f"student.path={fx / 'student'}",
-                                                                      f"data.train={fx / 'data' / 'train.parquet'}",
-                                                                      *TINY, "budget.max_steps=1", "teacher.source=vllm",
-                                                                      "teacher.url=http://127.0.0.1:9", *extra])
+                          (["loss.name=k1", f"teacher.path={cut}", "teacher.url=localhost:8000"],
+                           "expected the base URL"),
+                          (["loss.name=k1", f"teacher.path={cut}", "data.pad_side=right",
+                            "runtime.unpadded_rows=false"], "scores each row unpadded")):
+        overrides = [f"student.path={fx / 'student'}", f"data.train={fx / 'data' / 'train.parquet'}", *TINY,
+                     "budget.max_steps=1", "teacher.source=vllm", "teacher.url=http://127.0.0.1:9", *extra]
+        rc = _cli("train", "--out", str(tmp_path / "x"), overrides=overrides)
         err = capsys.readouterr().err.strip()
         assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "x").exists()
@@ -178,7 +179,8 @@ def test_parse_scores_checks_what_the_server_answered():
                                  "past the tokenizer's 100 ids")):
         with pytest.raises(vt.VLLMTeacherError, match=needle):
             vt.parse_scores(bad, sent, echoed, 2, 2, 0, 100, "row")
-    logp, ids, lps = vt.parse_scores(good, sent, None, 2, 1, 2, 100, "row")  # top-2 by log-prob, the sampled one included
+    # top-2 by log-prob, the sampled one included
+    logp, ids, lps = vt.parse_scores(good, sent, None, 2, 1, 2, 100, "row")
     assert logp == [-1.0] and ids == [[9, 7]] and lps == [[-0.2, -1.0]]
 
 
@@ -193,9 +195,11 @@ def test_the_colocated_engine_process_is_started_by_spawn(monkeypatch):
 
     class FakeLLM:
         def __init__(self, **kw):
-            seen.update({k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")})
+            keys = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")
+            seen.update({k: os.environ.get(k) for k in keys})
 
-    monkeypatch.setattr(vt.vllm_engine, "_require_vllm", lambda *a: types.SimpleNamespace(LLM=FakeLLM, SamplingParams=None))
+    monkeypatch.setattr(vt.vllm_engine, "_require_vllm",
+                        lambda *a: types.SimpleNamespace(LLM=FakeLLM, SamplingParams=None))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the student's in-process engine's setting
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     vt.EngineTeacher(load_config(None, ["teacher.source=vllm", "loss.name=k1"]), Path("teacher"), N_IDS, CPU)
@@ -279,8 +283,8 @@ def test_the_doctor_compares_the_vllm_teacher_with_the_hf_teacher(fx, cut, hf, t
     with FakeVLLMServer(served, str(cut), mode=mode) as server:
         rc = _cli("doctor", "--student", str(fx / "student"), "--teacher", str(cut), "--data",
                   str(fx / "data" / "train.parquet"),
-                  overrides=["teacher.source=vllm", f"teacher.url={server.url}", "loss.name=k1", "data.chat_template=true",
-                             "runtime.threads=1", "doctor.max_new_tokens=8"])
+                  overrides=["teacher.source=vllm", f"teacher.url={server.url}", "loss.name=k1",
+                             "data.chat_template=true", "runtime.threads=1", "doctor.max_new_tokens=8"])
     table = " ".join(capsys.readouterr().out.split())
     if mode == "ok":
         assert "OK alignment (vllm teacher)" in table and "|vLLM teacher - HF teacher log-prob| max" in table
@@ -307,7 +311,8 @@ def test_several_teachers_each_on_its_server(fx, cut, hf, tmp_path_factory):
                                                   for s, d in ((s1, cut), (s2, cut2))])
         got = opd_step.score_batch(cfg, remote, batch, contextlib.nullcontext)
     assert len(s1.requests) == len(s2.requests) == 1  # one request per teacher for the step's rows
-    want = opd_step.score_batch(cfg, teachers.TeacherSet(("a", "b"), [teacher, teacher2]), batch, contextlib.nullcontext)
+    both = teachers.TeacherSet(("a", "b"), [teacher, teacher2])
+    want = opd_step.score_batch(cfg, both, batch, contextlib.nullcontext)
     m = batch.rollout.completion_mask_B_T.bool()
     for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
         torch.testing.assert_close(g.logp_B_T[m[rows]], w.logp_B_T[m[rows]], rtol=0, atol=2e-5)
