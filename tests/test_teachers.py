@@ -241,7 +241,7 @@ def test_a_teacher_elsewhere_scores_the_full_vocabulary_with_a_copy_of_its_head(
     g_here = _grads(student)
     monkeypatch.setattr(teachers, "device_of", lambda t: torch.device("meta"))  # "elsewhere": to_device copies the head
     moved = [teachers.to_device(c, a, CPU) for c in here]
-    assert moved[0]["head"] is not unwrap(a)[1] and moved[0]["head"].weight.shape[0] == len(tok)
+    assert moved[0].head is not unwrap(a)[1] and moved[0].head.weight.shape[0] == len(tok)
     m_moved = opd_step.micro_losses(cfg, student, batch, moved, nc)
     g_moved = _grads(student)
     assert m_moved["loss"] == pytest.approx(m_here["loss"], rel=1e-6)
@@ -251,7 +251,7 @@ def test_a_teacher_elsewhere_scores_the_full_vocabulary_with_a_copy_of_its_head(
     with torch.no_grad():  # the copy is the restricted head: padding rows cut, the same logits on the tokenizer's ids
         h = completion_hidden(a, opd.teacher_geometry(batch))
         ids = batch.rollout.completion_ids_B_T
-        torch.testing.assert_close(token_logprobs(moved[0]["head"], h, ids, 4), token_logprobs(unwrap(a)[1], h, ids, 4))
+        torch.testing.assert_close(token_logprobs(moved[0].head, h, ids, 4), token_logprobs(unwrap(a)[1], h, ids, 4))
 
 
 @pytest.mark.gpu
