@@ -175,8 +175,11 @@ def main() -> int:
     t0 = time.time()
     if not args.table_only:
         with ThreadPoolExecutor(args.jobs) as pool:
-            errors = [f.exception() for f in [pool.submit(build, out, n, args.device, args.params, args.build_overrides) for n in args.variants]]
-            print(f"built {args.variants} in {time.time() - t0:.0f}s; errors {[str(e) for e in errors if e]}", flush=True)
+            futures = [pool.submit(build, out, n, args.device, args.params, args.build_overrides)
+                       for n in args.variants]
+            errors = [f.exception() for f in futures]
+            print(f"built {args.variants} in {time.time() - t0:.0f}s; errors {[str(e) for e in errors if e]}",
+                  flush=True)
             ok = [n for n, e in zip(args.variants, errors) if e is None]
             jobs = [pool.submit(evaluate, out, n, m, args) for n in ok for m in ("student", "teacher")]
             jobs += [pool.submit(train_and_eval, out, n, a, s, args) for s in args.seeds for n in ok for a in args.arms]

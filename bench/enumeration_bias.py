@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     rand = [(1.5 * torch.randn(6, generator=g, dtype=torch.float64),
              torch.log_softmax(1.5 * torch.randn(6, generator=g, dtype=torch.float64), -1)) for _ in range(200)]
     rows = []
-    print(f"{'loss':4s} {'tau':>4s} {'top_p':>5s} | {'6-token: before':>15s} {'after':>9s} | {'median of 200: before':>21s} {'after':>9s}")
+    print(f"{'loss':4s} {'tau':>4s} {'top_p':>5s} | {'6-token: before':>15s} {'after':>9s} | "
+          f"{'median of 200: before':>21s} {'after':>9s}")
     for kind in ("k1", "k2", "k3"):
         for tau, top_p in SETTINGS:
             z6 = torch.tensor(THETA_6, dtype=torch.float64)

@@ -143,7 +143,8 @@ def compare(init: Path, a: Path, b: Path) -> dict:
 
 
 def metrics(out: Path) -> list[dict]:
-    keep = ("step", "loss", "kl", "grad_norm", "tokens", "time_rollout_s", "time_score_s", "time_update_s", "peak_mem_gb")
+    keep = ("step", "loss", "kl", "grad_norm", "tokens", "time_rollout_s", "time_score_s", "time_update_s",
+            "peak_mem_gb")
     rows = [json.loads(line) for line in (out / "metrics" / "train.jsonl").read_text().splitlines() if line.strip()]
     return [{k: r.get(k) for k in keep} | {"step_s": r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"]}
             for r in rows]

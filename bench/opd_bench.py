@@ -8,7 +8,7 @@
     python bench/report.py r.json s1.json s2.json trl.json   # the markdown table
 
 Each opdkit step is the training loop's step (``opdkit.train``) spelled out with the same library
-calls (rollout engine, ``opd.score_batch``, ``opd.micro_losses``, AdamW), with a device sync
+calls (rollout engine, ``step.score_batch``, ``step.micro_losses``, AdamW), with a device sync
 between phases so each phase's seconds are its own. Random-init models practically never emit
 EOS, so every sample runs to the token cap: the worst case for the rollout.
 Prompts are random token ids of realistic lengths; the tokenizer is a word-level stand-in of the
@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opdkit import opd  # noqa: E402
+from opdkit import step as opd_step  # noqa: E402
 from opdkit.models import random_model, setup_torch, shape_config  # noqa: E402
 from opdkit.recipes import load_config  # noqa: E402
 from opdkit.engines.base import left_pad  # noqa: E402
@@ -264,9 +265,9 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
         else:  # privileged: the teacher's prompt also holds the reference solution
             t_ids, t_mask = left_pad([pool[i] + solutions[i] for i in idx for _ in range(G)], EOS_ID, dev)
         batch = opd.Batch(ro, t_ids, t_mask)
-        contexts = opd.score_batch(cfg, teacher, batch, autocast, teacher_ctx or __import__("contextlib").nullcontext)
+        contexts = opd_step.score_batch(cfg, teacher, batch, autocast, teacher_ctx or __import__("contextlib").nullcontext)
         t2 = sync()
-        m = opd.micro_losses(cfg, student, batch, contexts, autocast)
+        m = opd_step.micro_losses(cfg, student, batch, contexts, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

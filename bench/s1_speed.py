@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from opdkit import opd  # noqa: E402
+from opdkit import step as opd_step  # noqa: E402
 
 G = 4  # samples per prompt (S1)
 
@@ -480,7 +481,7 @@ def trl(args) -> None:
 
 def update(args) -> None:
     """One S1 step's scoring and update as ``opdkit train`` runs them (the library's calls: build_run,
-    the HF engine's static decoder for the batch, ``opd.score_batch``, ``opd.micro_losses``, clip, AdamW,
+    the HF engine's static decoder for the batch, ``step.score_batch``, ``step.micro_losses``, clip, AdamW,
     the engine's weight sync), timed per phase over 3 repetitions on the same batch (the optimizer steps at
     lr 0: the weights stay), with rows packed into one forward (``opdkit.packing``) and row by row (today's
     before); the update's achieved FLOP rate (6 x parameters x tokens, recompute not counted) and a
@@ -517,9 +518,9 @@ def update(args) -> None:
                         if rep == 3 else contextlib.nullcontext())
                 with prof:
                     t0 = sync(device)
-                    contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+                    contexts = opd_step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
                     t1 = sync(device)
-                    m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast)
+                    m = opd_step.micro_losses(cfg, run.student, batch, contexts, run.autocast)
                     t2 = sync(device)
                     torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                     run.optimizer.step()

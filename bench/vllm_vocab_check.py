@@ -61,8 +61,9 @@ def main(argv=None) -> int:
     prompts = [tok("12+34=", add_special_tokens=False).input_ids, tok("7*8=", add_special_tokens=False).input_ids]
     rows = [p for p in prompts for _ in range(3)]
     for tau, top_p in ((1.0, 1.0), (0.6, 0.95), (0.0, 1.0)):
-        params = [vllm.SamplingParams(**k) for k in request_params(seeds=opd.step_seeds(0, 0, 6), temperature=tau,
-                                                                   top_p=top_p, max_new_tokens=24, eos_ids=[tok.eos_token_id])]
+        settings = request_params(seeds=opd.step_seeds(0, 0, 6), temperature=tau, top_p=top_p, max_new_tokens=24,
+                                  eos_ids=[tok.eos_token_id])
+        params = [vllm.SamplingParams(**k) for k in settings]
         outs = llm.generate([{"prompt_token_ids": r} for r in rows], sampling_params=params, use_tqdm=False)
         ro = to_rollout(outs, rows, 3, tok.pad_token_id, [tok.eos_token_id])
         m = ro.completion_mask_B_T.bool()

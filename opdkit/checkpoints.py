@@ -26,8 +26,9 @@ These checks read only headers (the expected tensors come from a model skeleton 
 device), so stubs and pruned weights are caught without loading the model. With ``full=True``
 every floating-point value is then streamed from the files (a bounded buffer, never the whole
 model) and must be finite (the reason names the tensor), and the tokenizer and model are loaded
-with ``Auto*`` and must report no missing, unexpected or mismatched keys. An I/O error that may be transient is raised as ``OSError`` (we cannot tell
-whether the checkpoint is bad), not as ``InvalidCheckpoint``; ``is_valid_checkpoint`` never
+with ``Auto*`` and must report no missing, unexpected or mismatched keys. An I/O error that may be
+transient is raised as ``OSError`` (we cannot tell whether the checkpoint is bad), not as
+``InvalidCheckpoint``; ``is_valid_checkpoint`` never
 raises and gives the reason instead.
 """
 

@@ -28,10 +28,13 @@ EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_LOCKED = 1, 2, 3, 75
 
 
 def _add_params(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-p", "--params", default=None, help="params YAML (default: params.yaml if present, else built-in defaults; 'none': built-in defaults)")
+    p.add_argument("-p", "--params", default=None,
+                   help="params YAML (default: params.yaml if present, else built-in defaults; 'none': built-in "
+                        "defaults)")
     p.add_argument("-r", "--recipe", default=None, metavar="FILE",
                    help="a params overlay from recipes/ (params < recipe < -S); without -r, the recipe the params "
-                        "name in their 'recipe' key is applied (a path relative to the params file); -r '' applies none")
+                        "name in their 'recipe' key is applied (a path relative to the params file); -r '' applies "
+                        "none")
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a params key (dotted path), e.g. -S loss.name=jsd; repeatable")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -125,7 +128,8 @@ def cmd_eval(args) -> int:
         model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
         tok = load_tokenizer(args.model)
         summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet)
-    summary.update(model=str(args.model), data=str(data_paths[0]) if len(data_paths) == 1 else [str(d) for d in data_paths],
+    summary.update(model=str(args.model),
+                   data=str(data_paths[0]) if len(data_paths) == 1 else [str(d) for d in data_paths],
                    **protocol_record(cfg.eval, summary["n_questions"]))
     for tag in args.tag:
         k, _, v = tag.partition("=")
@@ -346,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parquet/jsonl (default: data.eval); repeat for a benchmark in several files (AIME 2024 and "
                         "2025): their questions are told apart and reported per file (the eval JSON's parts)")
     p.add_argument("--out", required=True)
-    p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="extra fields for the JSON (e.g. arm=k1)")
+    p.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra fields for the JSON (e.g. arm=k1)")
     _add_params(p)
     p.set_defaults(fn=cmd_eval)
 
@@ -364,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("offline-rollouts", help="draw an offline pool once: a fixed policy's rollouts of the run's "
-                       "prompts, scored by the teacher (train on it with -S rollout.source=offline -S rollout.offline_file=FILE)")
+                       "prompts, scored by the teacher (train on it with -S rollout.source=offline -S "
+                       "rollout.offline_file=FILE)")
     p.add_argument("--policy", default=None, metavar="DIR", help="the model that samples (default: student.path, the "
                    "run's student at step 0)")
     p.add_argument("--out", required=True, metavar="FILE.parquet")
@@ -385,8 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="+")
     p.set_defaults(fn=cmd_validate)
 
-    p = sub.add_parser("doctor", help="pre-flight checks that a student/teacher pair will work: one table of OK / WARN / "
-                       "FAIL lines with the fixes (exit 1 on any FAIL); writes nothing")
+    p = sub.add_parser("doctor", help="pre-flight checks that a student/teacher pair will work: one table of OK / "
+                       "WARN / FAIL lines with the fixes (exit 1 on any FAIL); writes nothing")
     p.add_argument("--student", default=None, metavar="DIR", help="student model directory (default: student.path)")
     p.add_argument("--teacher", default=None, metavar="DIR", help="teacher model directory (default: teacher.path)")
     p.add_argument("--data", default=None, metavar="FILE", help="training data, parquet/jsonl (default: data.train)")
@@ -401,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="repeat-run statistics over eval JSONs")
     p.add_argument("evals", nargs="+", help="eval JSONs, directories of them (all their *.json), or patterns with "
-                   "{arm} and {seed} filled in for each arm and seed of the pipeline (e.g. 'runs/eval/{arm}/seed{seed}.json': "
-                   "arms loss.name and pipeline.baseline_arm, seeds pipeline.seeds)")
+                   "{arm} and {seed} filled in for each arm and seed of the pipeline (e.g. "
+                   "'runs/eval/{arm}/seed{seed}.json': arms loss.name and pipeline.baseline_arm, seeds pipeline.seeds)")
     p.add_argument("--baseline", default=None, help="arm to compare the others against")
     p.add_argument("--group-key", default="arm")
     p.add_argument("--out", default=None)

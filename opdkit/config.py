@@ -99,7 +99,8 @@ class FilterConfig:
             raise ConfigError("params key 'data.filters.top_reference_fraction': expected a share in (0, 1], got "
                               f"{self.top_reference_fraction}")
         if self.min_reference_tokens < 0:
-            raise ConfigError(f"params key 'data.filters.min_reference_tokens': expected >= 0, got {self.min_reference_tokens}")
+            raise ConfigError("params key 'data.filters.min_reference_tokens': expected >= 0, got "
+                              f"{self.min_reference_tokens}")
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ class LossConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1.0e-4
-    schedule: str = "wallclock_cosine"  # constant | linear | cosine (by step) | wallclock_cosine (by elapsed share of the wall budget)
+    # constant | linear | cosine (by step) | wallclock_cosine (by elapsed share of the wall budget)
+    schedule: str = "wallclock_cosine"
     warmup_steps: int = 20
     min_lr: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -248,8 +250,10 @@ class PublishConfig:
     keep_states: int = 1  # the newest N trainer states are kept (verl's baseline kept 3)
     retries: int = 5
     backoff_s: float = 0.5
-    dtype: str = "auto"  # weights' dtype in the export: auto (the source student's config dtype) | float32 | bfloat16 | float16
-    max_shard_size: str = "5GB"  # larger exports are split into shards + model.safetensors.index.json (as save_pretrained)
+    # weights' dtype in the export: auto (the source student's config dtype) | float32 | bfloat16 | float16
+    dtype: str = "auto"
+    # larger exports are split into shards + model.safetensors.index.json (as save_pretrained)
+    max_shard_size: str = "5GB"
 
 
 @dataclass(frozen=True)
@@ -293,7 +297,8 @@ class RuntimeConfig:
     # allowed share of the sampled tokens that the update gives weight 0: outside the top-p nucleus recomputed
     # from the current logits (rounding and ties at the nucleus' edge: ~0.1% measured with vLLM at top-p 0.95)
     alignment_max_weight0_share: float = 0.01
-    teacher_sharding: str = "replicate"  # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
+    # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
+    teacher_sharding: str = "replicate"
     state_dir: str = ""  # where the trainer state (resume) lives; "" = OUT/state (run.sh: CKPT_DIR)
     # The GPU workload lock (opdkit.fsutil.DeviceLock; its file: $OPDKIT_GPU_LOCK, else one per machine):
     # training holds it shared, `opdkit eval` exclusively; a conflicting command exits 75.
@@ -330,7 +335,8 @@ class DoctorConfig:
 
     n_prompts: int = 4
     max_new_tokens: int = 32
-    xtok_rows: int = 64  # teacher.tokenizer=own: data rows (their reference solutions) the span alignment is measured on
+    # teacher.tokenizer=own: data rows (their reference solutions) the span alignment is measured on
+    xtok_rows: int = 64
 
 
 @dataclass(frozen=True)
@@ -361,7 +367,8 @@ class PipelineConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     baseline_arm: str = "rkl"  # the OPD arms are loss.name and this one, each at budget.max_steps
     controls: tuple[ControlArm, ...] = (
-        ControlArm("sft_teacher", "teacher", 138, 46, "wall"),  # calibrated on the embedded default (params.yaml says how)
+        # calibrated on the embedded default (params.yaml says how)
+        ControlArm("sft_teacher", "teacher", 138, 46, "wall"),
         ControlArm("sft_reference", "reference", 120, 40, "steps"),
     )
 
@@ -406,7 +413,8 @@ class EmbeddedConfig:
 class Config:
     seed: int = 0
     recipe: str = ""  # a params overlay under recipes/ applied over this file; "" = none (opdkit.recipes)
-    experiment_name: str = ""  # a label, recorded with the run (checkpoints' opdkit.json, run.json); run.sh: EXPERIMENT_NAME
+    # a label, recorded with the run (checkpoints' opdkit.json, run.json); run.sh: EXPERIMENT_NAME
+    experiment_name: str = ""
     # per-step experiment tracking beside metrics/train.jsonl (opdkit.tracking): auto (dvclive where it is
     # installed, else none) | dvclive (OUT/dvclive: dvc plots / metrics) | tensorboard (OUT/tensorboard) | none
     tracking: str = "auto"
@@ -480,11 +488,13 @@ class Protocol:
 # recipe said; a -S that sets one of them to another value is an error: that is eval.protocol=custom).
 PROTOCOLS: dict[str, Protocol] = {
     "math500_proxy": Protocol(
-        {"n_samples": 4, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12288, "seed": 42, "prompt_format": "boxed"},
+        {"n_samples": 4, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12288, "seed": 42,
+         "prompt_format": "boxed"},
         500, "S1's exploration metric math500_pass_at_1 (seed 000): all 500 MATH-500 questions x 4 samples, "
              "temperature 0.7, top-p 0.9, 12,288 new tokens, generation seed 42, a fixed boxed-answer prompt"),
     "aime_final": Protocol(
-        {"n_samples": 32, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 31744, "seed": 42, "prompt_format": "boxed"},
+        {"n_samples": 32, "temperature": 0.7, "top_p": 0.9, "max_new_tokens": 31744, "seed": 42,
+         "prompt_format": "boxed"},
         60, "S1's final metric aime24_25_at32 (seeds 000, 002): 30 AIME 2024 + 30 AIME 2025 questions x 32 samples, "
             "31,744 new tokens; the same prompt family as the proxy, and (the seed names only the benchmark, the "
             "sample count and the cap as changes) the proxy's temperature, top-p and seed"),

@@ -214,8 +214,8 @@ def normalize_row(row: dict, index: int, path: str, teacher_column: str = "") ->
                         f"AIME); found columns {sorted(row)}")
     prompt = row["prompt"]
     if isinstance(prompt, (list, tuple)):
-        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                                 for m in prompt):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                 and isinstance(m.get("content"), str) for m in prompt):
             raise DataError(f"{where}: 'prompt' is a list but not of {{role, content}} text messages")
         prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
     elif not isinstance(prompt, str):
@@ -294,8 +294,8 @@ def check_teachers(examples: list[Example], path, column: str, teachers: tuple[s
         ex = bad[0]
         named = f"names teacher {ex.teacher!r}" if ex.teacher else f"names no teacher (no value in column {column!r})"
         raise DataError(f"data file {path}, row {ex.row} (id {ex.id}) {named}, which is not one of the teachers of "
-                        f"params key 'teachers': {', '.join(teachers)} ({len(bad)} of {len(examples)} selected rows are "
-                        f"like it); give each row one of those names in column {column!r} (data.teacher_column)")
+                        f"params key 'teachers': {', '.join(teachers)} ({len(bad)} of {len(examples)} selected rows "
+                        f"are like it); give each row one of those names in column {column!r} (data.teacher_column)")
 
 
 def _read_examples(path: str | Path, teacher_column: str = "", need_column: bool = False) -> list[Example]:
@@ -469,7 +469,8 @@ def hf_trainer_rows(seed: int, n_rows: int, start: int, count: int, processes: i
                          f"number of micro-batches of data.hf_order.device_batch={b} rows on each of "
                          f"data.hf_order.processes={processes} processes (and start at a step boundary, row {start})")
     if n_rows < count:
-        raise DataError(f"data.order=hf_trainer: {n_rows} rows do not fill one step of {count} (rollout.prompts_per_step)")
+        raise DataError(f"data.order=hf_trainer: {n_rows} rows do not fill one step of {count} "
+                        "(rollout.prompts_per_step)")
     a, per_epoch = count // (processes * b), n_rows // count
     perms: dict[tuple[int, int], list[int]] = {}
     out = []

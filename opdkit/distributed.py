@@ -10,7 +10,7 @@ every rank. Per step:
   loss by ``global tokens / N``: FSDP averages gradients over the N ranks, so the update is the
   token mean over the whole step, as in one process;
 - every rank issues the same collectives whatever its data: the loss's backward structure
-  (``opd.micro_losses``, with ``sharding.deferred_grad_sync`` / ``layers_gathered``) does not
+  (``step.micro_losses``, with ``sharding.deferred_grad_sync`` / ``layers_gathered``) does not
   depend on a rank's completion lengths, and ``sharding.check_same_on_ranks`` refuses unequal
   numbers of micro-batches;
 - metrics are reduced over ranks; rank 0 alone writes them and publishes checkpoints (the other
@@ -337,7 +337,7 @@ def clip_grad_norm_(params, max_norm: float) -> float:
 
 
 def reduce_metrics(m: dict, world: World) -> dict:
-    """Combine ``opd.micro_losses`` metrics over ranks: ``tokens`` summed, ``loss`` summed / size
+    """Combine ``step.micro_losses`` metrics over ranks: ``tokens`` summed, ``loss`` summed / size
     (each rank's loss is its token sum over ``global tokens / size``), ``*_max`` maxed, the rest
     token-weighted means."""
     if not world.active:

@@ -12,8 +12,8 @@ the compute dtype, both scored over the shared vocabulary), on one batch of the 
 - alignment, per engine: the sampling-time log-probs against the recomputed ones
   (``opd.alignment_report``, the check every run makes on its first batch): the HF engine here,
   vLLM where it is installed and the device is CUDA;
-- self KL: the student as its own teacher through the loss path (``opd.score_batch`` +
-  ``opd.micro_losses``) must give KL ~ 0;
+- self KL: the student as its own teacher through the loss path (``step.score_batch`` +
+  ``step.micro_losses``) must give KL ~ 0;
 - teacher repeat: the teacher scores the batch twice, identically (no dropout, no nondeterminism);
 - top-K mass, for a top-K loss (topk_fkl, topk_rkl): verl's ``teacher_mass`` / ``student_mass`` /
   ``overlap_ratio`` on the batch and the mass the loss's support sets aside (WARN under 90%);
@@ -34,20 +34,20 @@ import textwrap
 
 import torch
 
-from opdkit import loss_table, offline, opd, pairs
+from opdkit import loss_table, offline, opd, pairs, step as opd_step
 from opdkit.config import Config, ConfigError, replace
 from opdkit.data import encode_prompt
 from opdkit.engines import vllm as vllm_engine
 from opdkit.engines.base import left_pad
-from opdkit.engines.select import check_params as check_engine_params
-from opdkit.engines.select import engine_name, make_engine
+from opdkit.engines.select import check_params as check_engine_params, engine_name, make_engine
 from opdkit.memory import GIB, device_memory, estimate, fixed, model_shape, peak
 from opdkit.models import ModelError, compute_dtype, load_model, pick_device, setup_torch
 from opdkit.pairs import FAIL, OK, SKIP, WARN, Finding, Inputs
 from opdkit.setup import RunError, check_params
 from opdkit.teacher import AlignmentError
 
-LIVE_CHECKS = ("memory", "alignment (hf)", "self KL", "teacher repeat", "alignment (vllm)")  # + "alignment (vllm teacher)"
+# + "alignment (vllm teacher)"
+LIVE_CHECKS = ("memory", "alignment (hf)", "self KL", "teacher repeat", "alignment (vllm)")
 
 
 def diagnose(cfg: Config, log=lambda _: None) -> list[Finding]:
@@ -70,8 +70,9 @@ def params_finding(cfg: Config, device: torch.device) -> Finding:
     except (RunError, ConfigError) as e:
         return Finding("params", FAIL, str(e), "change the params (-p, -r, -S) as it says")
     R = cfg.rollout
-    return Finding("params", OK, f"loss.name={cfg.loss.name}, teacher.source={cfg.teacher.source}, {R.prompts_per_step} "
-                   f"prompts x {R.samples_per_prompt} samples x {R.max_new_tokens} new tokens per step, "
+    return Finding("params", OK, f"loss.name={cfg.loss.name}, teacher.source={cfg.teacher.source}, "
+                   f"{R.prompts_per_step} prompts x {R.samples_per_prompt} samples x {R.max_new_tokens} new tokens "
+                   "per step, "
                    f"engine {engine_name(cfg, device)} on {device}")
 
 
@@ -112,8 +113,10 @@ def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[
     cfg_hf = replace(cfg, "rollout.engine=hf")
     log(f"sampling {len(prompts)} prompts from the student (hf engine)")
     batch = sample_batch(cfg_hf, student, tok, examples, prompts, ac)
-    out.append(alignment_finding("alignment (hf)", cfg_hf, batch, student, opd.check_precision(cfg_hf, dtype, device), ac))
-    own = opd.Batch(batch.rollout, batch.rollout.prompt_ids_B_Sp, batch.rollout.prompt_mask_B_Sp)  # the student's prompts
+    precision = opd.check_precision(cfg_hf, dtype, device)
+    out.append(alignment_finding("alignment (hf)", cfg_hf, batch, student, precision, ac))
+    # the student's prompts
+    own = opd.Batch(batch.rollout, batch.rollout.prompt_ids_B_Sp, batch.rollout.prompt_mask_B_Sp)
     t_own = own
     if inputs.xtok is not None and cfg.teacher.tokenizer == "own":  # the teacher scores its own tokens of the samples
         from opdkit import xtok
@@ -172,20 +175,22 @@ def alignment_finding(check: str, cfg: Config, batch: opd.Batch, student, precis
 
 
 def self_kl_finding(cfg: Config, student, batch: opd.Batch, ac, tol: float) -> Finding:
-    contexts = opd.score_batch(cfg, student, batch, ac)
-    m = opd.micro_losses(cfg, student, batch, contexts, ac)
+    contexts = opd_step.score_batch(cfg, student, batch, ac)
+    m = opd_step.micro_losses(cfg, student, batch, contexts, ac)
     student.zero_grad(set_to_none=True)
     kl = m["kl"]
-    detail = f"the student as its own teacher through the {cfg.loss.name} loss path: KL {kl:.2g} on {int(m['tokens'])} tokens"
+    detail = (f"the student as its own teacher through the {cfg.loss.name} loss path: KL {kl:.2g} on "
+              f"{int(m['tokens'])} tokens")
     if abs(kl) <= tol:  # NaN fails too
         return Finding("self KL", OK, f"{detail} (allowed {tol:g})")
     dropout = {k: v for k, v in student.config.to_dict().items()
                if "dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
-    why, fix = ((f"the student's config.json sets {', '.join(f'{k}={v}' for k, v in dropout.items())}: dropout is on in "
-                 "training mode, so two passes over the same tokens differ",
+    why, fix = ((f"the student's config.json sets {', '.join(f'{k}={v}' for k, v in dropout.items())}: dropout is "
+                 "on in training mode, so two passes over the same tokens differ",
                  "set those dropout probabilities to 0 (OPD compares log-probs of one policy)")
                 if dropout else ("the student's and the teacher's scoring of the same tokens differ",
-                                 "report it with this output: the loss would not be zero where the teacher is the student"))
+                                 "report it with this output: the loss would not be zero where the teacher is the "
+                                 "student"))
     return Finding("self KL", FAIL, f"{detail}, expected ~0 (allowed {tol:g}): {why}", fix)
 
 
@@ -193,11 +198,12 @@ def teacher_repeat_finding(cfg: Config, teacher, batch: opd.Batch, ac, tol: floa
     if teacher is None:
         return Finding("teacher repeat", SKIP, f"teacher.source={cfg.teacher.source}: the teacher is the student "
                        "(self KL checks it)")
-    first, second = (torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, teacher, batch, ac)]) for _ in range(2))
+    first, second = (torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, teacher, batch, ac)]) for _ in range(2))
     m_B_T = batch.rollout.completion_mask_B_T.bool()
     d = float((first - second)[m_B_T].abs().max()) if m_B_T.any() else 0.0
     if d == 0.0:
-        return Finding("teacher repeat", OK, f"the teacher scored the batch twice identically ({int(m_B_T.sum())} tokens)")
+        return Finding("teacher repeat", OK,
+                       f"the teacher scored the batch twice identically ({int(m_B_T.sum())} tokens)")
     status = WARN if d <= tol else FAIL
     return Finding("teacher repeat", status, f"the teacher's two scorings of the same batch differ by up to {d:.2g} "
                    f"per token (allowed {tol:g}): nondeterministic kernels, dropout, or a stochastic layer",
@@ -221,7 +227,7 @@ def topk_finding(cfg: Config, student, teacher, batch: opd.Batch, ac) -> Finding
     check = "top-K mass"
     if teacher is None:
         return Finding(check, SKIP, "no teacher weights here to score the batch with")
-    m = opd.micro_losses(cfg, student, batch, opd.score_batch(cfg, teacher, batch, ac), ac)
+    m = opd_step.micro_losses(cfg, student, batch, opd_step.score_batch(cfg, teacher, batch, ac), ac)
     student.zero_grad(set_to_none=True)
     key, what, fix, tail = TOPK_LOSSES[cfg.loss.name]
     detail = (f"loss.name={cfg.loss.name}, K={cfg.loss.topk} on {int(m['tokens'])} sampled tokens: teacher_mass "
@@ -247,7 +253,8 @@ def offline_finding(cfg: Config, inputs: Inputs | None) -> Finding:
     who = ("the run's student (at step 0)" if offline.behaviour_is_student(pool, inputs.student_path)
            else "another model than the run's student")
     return Finding("offline pool", OK, f"{pool.path}: {m['n_prompts']} prompts x {m['samples_per_prompt']} samples of "
-                   f"{m['policy']} ({who}), scored by {m['teacher']}" + (f", teacher top-{m['topk']}" if m["topk"] else "")
+                   f"{m['policy']} ({who}), scored by {m['teacher']}"
+                   + (f", teacher top-{m['topk']}" if m["topk"] else "")
                    + (f"; budget.max_steps makes {passes:.2g} passes over it" if passes else "")
                    + f"; importance ratio: rollout.offline_ratio={cfg.rollout.offline_ratio}")
 
@@ -270,11 +277,11 @@ def vllm_teacher_finding(cfg: Config, inputs: Inputs, teacher, batch: opd.Batch,
     log(f"scoring the batch with the vLLM teacher ({cfg.teacher.url or 'colocated engine'})")
     try:
         scorer = vllm_teacher.make_teachers(cfg, inputs, device, log)
-        got = torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, scorer, batch, ac)])
+        got = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, scorer, batch, ac)])
     except (vllm_teacher.VLLMTeacherError, ImportError, RuntimeError, ValueError) as e:
         return Finding(check, FAIL, f"the vLLM teacher could not score the batch: {type(e).__name__}: {e}",
                        "start the server (vllm serve DIR --max-logprobs K) or install vLLM; see the message")
-    want = torch.cat([c["logp_B_T"] for c in opd.score_batch(cfg, teacher, batch, ac)])
+    want = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, teacher, batch, ac)])
     m_B_T = batch.rollout.completion_mask_B_T.bool()
     d_N = (got.to(want.device) - want)[m_B_T].abs()
     d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
@@ -316,7 +323,8 @@ def memory_finding(cfg: Config, inputs: Inputs, prompts: list[list[int]], device
               "overhead and kernel workspaces are not counted")
     if fixed(parts) > total:
         return Finding("memory", FAIL, detail, "the weights, gradients and AdamW moments alone do not fit: "
-                       "-S lora.enabled=true, a smaller student, or torchrun with FSDP2 (divides them by the world size)")
+                       "-S lora.enabled=true, a smaller student, or torchrun with FSDP2 (divides them by the world "
+                       "size)")
     if need > free:
         return Finding("memory", WARN, detail, "-S runtime.grad_checkpointing=true, a smaller optim.micro_batch or "
                        "runtime.logprob_chunk, fewer rollout.batch_size rows per decode call")

@@ -18,9 +18,9 @@ from tqdm.auto import tqdm
 
 from opdkit.config import PROTOCOLS, DataConfig, EvalConfig
 from opdkit.data import Example, encode_prompt
-from opdkit.grading import grade_many
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
+from opdkit.grading import grade_many
 from opdkit.stats import clustered_accuracy
 
 
@@ -103,9 +103,9 @@ def evaluate(model, tokenizer, examples: list[Example], data: DataConfig, ev: Ev
 def protocol_record(ev: EvalConfig, n_questions: int) -> dict:
     """What the eval JSON records about the protocol: the eval params that define the measurement and,
     for a preset, whether this evaluation is a complete one (every question of its benchmark)."""
-    out: dict = {"eval_params": {k: getattr(ev, k) for k in
-                                 ("protocol", "n_samples", "temperature", "top_p", "max_new_tokens", "seed", "prompt_format",
-                                  "enable_thinking")}}
+    keys = ("protocol", "n_samples", "temperature", "top_p", "max_new_tokens", "seed", "prompt_format",
+            "enable_thinking")
+    out: dict = {"eval_params": {k: getattr(ev, k) for k in keys}}
     if ev.protocol in PROTOCOLS:
         expected = PROTOCOLS[ev.protocol].n_questions
         out.update(protocol=ev.protocol, protocol_questions=expected,

@@ -192,7 +192,8 @@ class DeviceBusy(LockHeld):
     def __init__(self, path: Path, holder: str, shared: bool):
         self.directory, self.holder = path, holder
         who = (f"an evaluation holds it ({holder})" if shared else
-               "training runs hold it (shared)" + (f"; last exclusive holder: {holder}" if holder != "pid unknown" else ""))
+               "training runs hold it (shared)"
+               + (f"; last exclusive holder: {holder}" if holder != "pid unknown" else ""))
         want = "training (shared)" if shared else "an evaluation (exclusive)"
         RuntimeError.__init__(self, f"the GPU workload lock {path} is taken: {who}; {want} cannot start until it is "
                                     "released (training holds it shared, `opdkit eval` exclusively; "

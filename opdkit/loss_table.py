@@ -1,10 +1,11 @@
 """The losses, declared once: what each needs from the teacher, how it is called, what it reports.
 
-``LOSSES`` maps every ``loss.name`` to a ``LossSpec``. The training step (``opdkit.opd``) reads
+``LOSSES`` maps every ``loss.name`` to a ``LossSpec``. The training step (``opdkit.step``) reads
 it to decide what the teacher scores (``teacher``), which tensors the loss function gets
 (``inputs``, by the names below) and with which params (``params``); the config validation, the
 run checks (``opdkit.setup``), the loop (``opdkit.train``) and the CLI help read it too. The loss
-functions themselves are pure tensor functions in ``opdkit.losses``.
+functions themselves are pure tensor functions in ``opdkit.losses``; each spec holds its function
+(``LossSpec.fn``, imported on first use).
 
 The policies (one convention, the same in every engine and in the update; ``opdkit train --help``
 and the README say it too):
@@ -55,10 +56,17 @@ _CLIP_METRICS = ("kl", "kl_forward", "clipped_mass", "clipped_frac", "topk_overl
 _TOPK_METRICS = ("teacher_mass", "student_mass", "overlap_ratio")  # verl's, every top-K loss (opdkit.topk_losses)
 
 
+def _losses():
+    """``opdkit.losses``, imported on first use: this module stays torch-free for the config and the CLI help."""
+    from opdkit import losses
+
+    return losses
+
+
 @dataclass(frozen=True)
 class LossSpec:
     name: str
-    fn: str  # the function's name in opdkit.losses
+    fn: Callable[[], Callable]  # the loss function (``lambda: _losses().k1_loss``: imported on first call)
     inputs: tuple[str, ...]  # its positional arguments (names above)
     teacher: str  # what the teacher scores: token (sampled-token log-probs) | topk | full | none
     params: Callable[[Any], dict]  # its keyword arguments, from the loss config (``LossConfig``)
@@ -70,38 +78,48 @@ class LossSpec:
     # token_losses.reward_pg_loss) | none (refused: not the student's samples)
     reward: str = "term"
 
+    @property
+    def function(self) -> Callable:
+        """The loss function itself: ``(*inputs, **params) -> (loss, metrics)``."""
+        return self.fn()
+
 
 def _clip_params(L) -> dict:
-    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf, "teacher_temperature": L.teacher_temperature}
+    return {"clip": L.clip, "tau": L.clip_tau if L.clip != "none" else math.inf,
+            "teacher_temperature": L.teacher_temperature}
 
 
 LOSSES: dict[str, LossSpec] = {s.name: s for s in (
-    LossSpec("k1", "k1_loss", _TOKEN, "token", lambda L: {"clip_eps": L.clip_eps, "dual_clip": L.dual_clip},
+    LossSpec("k1", lambda: _losses().k1_loss, _TOKEN, "token",
+             lambda L: {"clip_eps": L.clip_eps, "dual_clip": L.dual_clip},
              ("kl", "advantage_mean", "ratio_clipped_frac", "dual_clipped_frac", "ratio_max", "tokens"),
              "KL(p_S || p_T)", "PPO policy gradient, per-token advantage log p_T - log p_S (loss.clip_eps, "
              "loss.dual_clip)", reward="advantage"),
-    LossSpec("k2", "k2_loss", _TOKEN, "token", lambda L: {}, ("kl", "k2", "ratio_max", "tokens"),
+    LossSpec("k2", lambda: _losses().k2_loss, _TOKEN, "token", lambda L: {}, ("kl", "k2", "ratio_max", "tokens"),
              "KL(p_S || p_T)", "1/2 (log p_S - log p_T)^2 of each sampled token, differentiated directly"),
-    LossSpec("k3", "k3_loss", _TOKEN, "token", lambda L: {}, ("kl", "k3", "ratio_max", "tokens"),
+    LossSpec("k3", lambda: _losses().k3_loss, _TOKEN, "token", lambda L: {}, ("kl", "k3", "ratio_max", "tokens"),
              "KL(p_T || p_S)", "r - 1 - log r (r = p_T / p_S) of each sampled token, differentiated directly"),
-    LossSpec("topk_fkl", "topk_fkl_loss", ("logits_B_T_V", "topk_ids_B_T_K", "topk_logp_B_T_K", "mask_B_T", "n_tokens"),
+    LossSpec("topk_fkl", lambda: _losses().topk_fkl_loss,
+             ("logits_B_T_V", "topk_ids_B_T_K", "topk_logp_B_T_K", "mask_B_T", "n_tokens"),
              "topk", lambda L: {"tail_bucket": L.tail_bucket},
-             ("fkl_topk", "rkl_topk", "teacher_topk_mass", "student_topk_mass", "topk_overlap", *_TOPK_METRICS, "tokens"),
+             ("fkl_topk", "rkl_topk", "teacher_topk_mass", "student_topk_mass", "topk_overlap", *_TOPK_METRICS,
+              "tokens"),
              "KL(p_T || p_S) over the teacher's top-K (+ tail bucket)",
              "forward KL over the teacher's top-K ids (loss.topk, loss.tail_bucket)"),
-    LossSpec("topk_rkl", "topk_rkl_loss", _FULL, "full",
+    LossSpec("topk_rkl", lambda: _losses().topk_rkl_loss, _FULL, "full",
              lambda L: {"k": L.topk, "teacher_temperature": L.teacher_temperature},
              ("rkl_topk", "kl", "student_support_mass", "teacher_support_mass", *_TOPK_METRICS, "tokens"),
              "KL(p_S|S || p_T|S), both renormalised over the student's top-K S (S held fixed)",
              "reverse KL over the student's top-K ids, both renormalised there (loss.topk)"),
-    LossSpec("fkl", "fkl_loss", _FULL, "full", _clip_params, _CLIP_METRICS, "KL(p_T || p_S)",
+    LossSpec("fkl", lambda: _losses().fkl_loss, _FULL, "full", _clip_params, _CLIP_METRICS, "KL(p_T || p_S)",
              "forward KL over the vocabulary (loss.clip, loss.clip_tau)"),
-    LossSpec("rkl", "rkl_loss", _FULL, "full", _clip_params, _CLIP_METRICS, "KL(p_S || p_T)",
+    LossSpec("rkl", lambda: _losses().rkl_loss, _FULL, "full", _clip_params, _CLIP_METRICS, "KL(p_S || p_T)",
              "reverse KL over the vocabulary (loss.clip, loss.clip_tau)"),
-    LossSpec("jsd", "jsd_loss", _FULL, "full", lambda L: {"beta": L.jsd_beta, **_clip_params(L)},
+    LossSpec("jsd", lambda: _losses().jsd_loss, _FULL, "full", lambda L: {"beta": L.jsd_beta, **_clip_params(L)},
              _CLIP_METRICS + ("jsd",), "generalized JSD_beta(p_T, p_S)",
              "generalized JSD of GKD (loss.jsd_beta: 0 forward KL, 1 reverse KL)"),
-    LossSpec("sft", "sft_loss", ("logp_B_T", "mask_B_T", "n_tokens"), "token", lambda L: {}, ("nll", "tokens"),
+    LossSpec("sft", lambda: _losses().sft_loss, ("logp_B_T", "mask_B_T", "n_tokens"), "token", lambda L: {},
+             ("nll", "tokens"),
              "KL(p_data || p_S) (cross-entropy)", "control: supervised NLL of teacher samples or reference "
              "solutions (loss.sft_source)", reward="none"),
 )}
@@ -177,8 +195,8 @@ def help_text() -> str:
     """One line per loss: name, what it is, the divergence its expected gradient follows; then the convention."""
     lines = [f"  {s.name:9s}{s.summary}; gradient of {s.divergence}" for s in LOSSES.values()]
     offline = ", ".join(n for n in LOSS_NAMES if trains_offline(n))
-    lines.append(f"  offline (-S rollout.source=offline -S rollout.offline_file=POOL, a pool from `opdkit offline-rollouts`; "
-                 f"docs/offline_opd.md): {offline}")
+    lines.append("  offline (-S rollout.source=offline -S rollout.offline_file=POOL, a pool from "
+                 f"`opdkit offline-rollouts`; docs/offline_opd.md): {offline}")
     return "\n".join(lines) + "\n\n" + textwrap.fill(CONVENTION, 100, initial_indent="  ", subsequent_indent="  ")
 
 

@@ -49,8 +49,17 @@ import math
 
 import torch
 
-from opdkit.token_losses import (_check_n_tokens, _floats, _mean, k1_loss, k2_loss, k3_loss,  # noqa: F401
-                                 masked_sum, reward_pg_loss, sft_loss)
+from opdkit.token_losses import (  # noqa: F401
+    _check_n_tokens,
+    _floats,
+    _mean,
+    k1_loss,
+    k2_loss,
+    k3_loss,
+    masked_sum,
+    reward_pg_loss,
+    sft_loss,
+)
 from opdkit.topk_losses import topk_diagnostics, topk_rkl_loss  # noqa: F401
 
 Tensor = torch.Tensor
@@ -165,9 +174,10 @@ def _divergence_loss(terms_B_T_V, student_logp_B_T_V, teacher_logp_B_T_V, mask_B
     """Sum the per-entry divergence terms per position, clip them, token-mean over the step.
 
     Metrics (shared by fkl/rkl/jsd): ``kl`` (unclipped reverse KL(p_S || p_T), mean over masked
-    tokens), ``kl_forward`` (unclipped forward KL(p_T || p_S): what the OPSD log calls ``kl``), ``clipped_mass`` (entry clip: mean teacher probability
-    mass in clipped entries; 0 for none/token), ``clipped_frac`` (entry: fraction of positions with
-    any clipped entry; token: fraction of positions whose divergence exceeded tau; 0 for none),
+    tokens), ``kl_forward`` (unclipped forward KL(p_T || p_S): what the OPSD log calls ``kl``),
+    ``clipped_mass`` (entry clip: mean teacher probability mass in clipped entries; 0 for none/token),
+    ``clipped_frac`` (entry: fraction of positions with any clipped entry; token: fraction of positions
+    whose divergence exceeded tau; 0 for none),
     ``topk_overlap`` (mean |top-k(teacher) ∩ top-k(student)| / k, k = min(k, V)), ``tokens``.
     """
     if clip not in CLIPS:
@@ -218,7 +228,8 @@ def fkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
     Metrics: ``kl``, ``kl_forward``, ``clipped_mass``, ``clipped_frac``, ``topk_overlap``, ``tokens``
     (defined in ``_divergence_loss``). ``teacher_temperature``: the teacher at softmax(z_T / t) (``_full_inputs``).
     """
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, teacher_temperature)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens,
+                                                 teacher_temperature)
     terms_B_T_V = _fkl_terms(s_B_T_V, t_B_T_V)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     return loss, _floats(metrics)
@@ -234,7 +245,8 @@ def rkl_loss(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, clip=
     the top is capped; ``clipped_mass`` still reports the teacher mass of clipped entries);
     ``clip="token"``: as in ``fkl_loss``. Shapes and metrics as in ``fkl_loss``.
     """
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, teacher_temperature)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens,
+                                                 teacher_temperature)
     terms_B_T_V = _rkl_terms(s_B_T_V, t_B_T_V)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     return loss, _floats(metrics)
@@ -256,7 +268,8 @@ def jsd_loss(
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta!r}: expected 0 <= beta <= 1 (params key loss.jsd_beta)")
-    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens, teacher_temperature)
+    s_B_T_V, t_B_T_V, mask_B_T, n = _full_inputs(student_logits_B_T_V, teacher_logp_B_T_V, mask_B_T, n_tokens,
+                                                 teacher_temperature)
     terms_B_T_V = _jsd_terms(s_B_T_V, t_B_T_V, beta)
     loss, metrics = _divergence_loss(terms_B_T_V, s_B_T_V, t_B_T_V, mask_B_T, n, clip, tau, k)
     metrics["jsd"] = _mean(terms_B_T_V.detach().sum(-1), mask_B_T)

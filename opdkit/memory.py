@@ -76,11 +76,11 @@ def model_shape(path: str | Path, lora=None) -> ModelShape:
 
 def activation_bytes_per_token(s: ModelShape, compute_bytes: int, checkpointing: bool) -> int:
     """Bytes autograd saves per token of a micro-batch for the whole decoder (see the module docstring)."""
-    H, kv, I = s.hidden, s.kv, s.intermediate
+    H, kv, Im = s.hidden, s.kv, s.intermediate  # Im: the MLP's intermediate width (I in the module docstring)
     if compute_bytes == 4:
-        layer = 4 * (9 * H + 2 * kv + 4 * I)
+        layer = 4 * (9 * H + 2 * kv + 4 * Im)
     else:  # autocast: the norms' inputs and outputs (4 H) in fp32; each projection's own cast of its input
-        layer = 4 * 4 * H + compute_bytes * (8 * H + 2 * kv + 4 * I)  # (5 + 1) H inputs, attention 2 H + 2 kv, MLP 4 I
+        layer = 4 * 4 * H + compute_bytes * (8 * H + 2 * kv + 4 * Im)  # (5 + 1) H inputs, attention 2 H + 2 kv, MLP 4 I
     if checkpointing:
         return s.layers * 4 * H + layer  # each layer's fp32 input, one layer's full set while it is recomputed
     return s.layers * layer
@@ -94,7 +94,7 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | list[ModelS
     ``vllm`` as resolved for ``device``."""
     teachers = teacher if isinstance(teacher, list) else [teacher] if teacher is not None else []
     teacher = teachers[0] if teachers else None
-    R, O = cfg.rollout, cfg.optim
+    R, Opt = cfg.rollout, cfg.optim
     cuda = device.type == "cuda"
     compute = 2 if cuda and cfg.runtime.dtype != "float32" else 4
     rows_step = R.prompts_per_step * R.samples_per_prompt
@@ -104,11 +104,12 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | list[ModelS
     score = {}
     if src == "model" and teachers and _here(cfg.teacher.device, device):
         for i, t in enumerate(teachers):
-            held[f"teacher{f' {i + 1}' if len(teachers) > 1 else ''} weights ({'bf16' if compute == 2 else 'fp32'})"] = (
-                compute * t.params)
+            name = f"teacher{f' {i + 1}' if len(teachers) > 1 else ''} weights ({'bf16' if compute == 2 else 'fp32'})"
+            held[name] = compute * t.params
     elif src == "vllm" and cuda and not cfg.teacher.url:
-        score[f"the vLLM teacher's share of the GPU (teacher.gpu_memory_utilization={cfg.teacher.gpu_memory_utilization:g})"] = (
-            int(cfg.teacher.gpu_memory_utilization * device_total))
+        share = cfg.teacher.gpu_memory_utilization
+        score[f"the vLLM teacher's share of the GPU (teacher.gpu_memory_utilization={share:g})"] = (
+            int(share * device_total))
     elif src == "privileged_ema" or (src == "privileged_fixed" and not cfg.lora.enabled):
         held["teacher: an fp32 copy of the student"] = 4 * student.params
     rollout = {}
@@ -122,7 +123,7 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | list[ModelS
             decode_rows * tokens * student.layers * 2 * student.kv * kv_bytes)
         if cuda and R.static_cache:
             held["static decoder's bf16 copy of the student"] = 2 * student.params
-    mb_rows = min(O.micro_batch or rows_step, rows_step)
+    mb_rows = min(Opt.micro_batch or rows_step, rows_step)
     ckpt = cfg.runtime.grad_checkpointing
     chunk = min(cfg.runtime.logprob_chunk, R.max_new_tokens)
     update = {

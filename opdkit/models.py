@@ -16,7 +16,8 @@ import torch
 
 from opdkit.config import RuntimeConfig
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 class ModelError(ValueError):
@@ -78,7 +79,8 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32, what: str = "model", trainable: bool = False):
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torch.float32, what: str = "model",
+               trainable: bool = False):
     """``AutoModelForCausalLM.from_pretrained`` on a local directory, moved to ``device``.
 
     Trainable models are kept in fp32 (master weights; bf16 compute comes from autocast), frozen
@@ -89,7 +91,8 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torc
     p = check_model_dir(path, what)
     load_dtype = torch.float32 if trainable else dtype
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=load_dtype, device_map=None if device.type == "cpu" else {"": device})
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=load_dtype,
+                                                     device_map=None if device.type == "cpu" else {"": device})
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"{what} directory {p} could not be loaded: {e}") from None
     model.to(device)
@@ -156,4 +159,5 @@ def config_rows(path: str | Path) -> dict[str, int]:
 
 def model_rows(model) -> dict[str, int]:
     """Rows of a loaded model's input and output embeddings."""
-    return {"input": model.get_input_embeddings().weight.shape[0], "output": model.get_output_embeddings().weight.shape[0]}
+    return {"input": model.get_input_embeddings().weight.shape[0],
+            "output": model.get_output_embeddings().weight.shape[0]}

@@ -49,6 +49,7 @@ import torch
 
 from opdkit import loss_table, opd
 from opdkit.engines.base import Rollout, left_pad
+from opdkit.scores import TeacherScores
 from opdkit.teacher import completion_hidden, token_logprobs, unwrap
 
 FORMAT = 1
@@ -214,12 +215,12 @@ class Pool:
 
     # --- the teacher's side --------------------------------------------------------------------
 
-    def score(self, cfg, batch, row_sets) -> list[dict]:
+    def score(self, cfg, batch, row_sets) -> list[TeacherScores]:
         """The stored teacher scores of the step ``sample`` served, for each of ``row_sets``."""
         if self._served is None or batch.rollout is not self._served[0]:
             raise RuntimeError("offline pool: the batch scored is not the one the pool served last (a bug)")
         stored = self._served[1]
-        return [{k: v[rows] for k, v in stored.items()} for rows in row_sets]
+        return [TeacherScores(**{k: v[rows] for k, v in stored.items()}) for rows in row_sets]
 
 
 def write_pool(path: str | Path, records: list[dict], meta: dict) -> None:

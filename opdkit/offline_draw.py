@@ -7,7 +7,7 @@ params' seed would draw in its first N / P steps (N = ``--prompts``, default ``r
 x ``budget.max_steps``: one pass of that run), P = ``rollout.prompts_per_step`` at a time with that
 run's per-sample seeds and rollout settings, through the engine training would use (``rollout.engine``);
 the teacher (``teacher.path``, a model: ``teacher.source=model``) scores each batch as the training
-step scores it (``opd.score_batch``, micro-batched as ``optim.micro_batch``): each sampled token's
+step scores it (``step.score_batch``, micro-batched as ``optim.micro_batch``): each sampled token's
 log-prob and, with ``--topk K`` (default ``loss.topk`` where ``loss.name`` reads the teacher's
 top-K, else none), its top-K. So a pool drawn by the run's own student with its seed is, token for
 token, what that run draws and scores while its rollout weights are those of step 0.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import loss_table, offline, opd
+from opdkit import loss_table, offline, opd, step as opd_step
 from opdkit.config import Config, replace
 from opdkit.data import prompt_indices
 from opdkit.engines.select import engine_name, make_engine
@@ -70,11 +70,11 @@ def draw_pool(cfg: Config, policy: str | None, out: str | Path, n_prompts: int =
                                max_new_tokens=R.max_new_tokens, logprobs=True)
         t1 = time.monotonic()
         batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp, cfg.data.pad_side)
-        contexts = opd.score_batch(scfg, run.teacher, batch, run.autocast)
+        contexts = opd_step.score_batch(scfg, run.teacher, batch, run.autocast)
         secs["rollout"] += t1 - t0
         secs["score"] += time.monotonic() - t1
-        ctx = {k: torch.cat([c[k] for c in contexts]).cpu() for k in contexts[0] if torch.is_tensor(contexts[0][k])
-               and k in ("logp_B_T", "topk_ids_B_T_K", "topk_logp_B_T_K")}
+        ctx = {k: torch.cat([getattr(c, k) for c in contexts]).cpu()
+               for k in ("logp_B_T", "topk_ids_B_T_K", "topk_logp_B_T_K") if getattr(contexts[0], k) is not None}
         lengths = ro.completion_mask_B_T.sum(1).long().tolist()
         for b, length in enumerate(lengths):
             i = b // G  # prompt-major rows

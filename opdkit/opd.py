@@ -12,19 +12,25 @@ number of chunks changes no collective (see ``micro_losses``).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from opdkit import loss_table, losses, teachers
+from opdkit import loss_table
 from opdkit.config import Config
 from opdkit.engines.base import Rollout, left_pad
-from opdkit.engines.sampling import policy_logits, sample_seed
+from opdkit.engines.sampling import sample_seed
 from opdkit.engines.select import engine_name
-from opdkit.sharding import check_same_on_ranks, deferred_grad_sync, layers_gathered
-from opdkit.teacher import (AlignmentError, Geometry, build_geometry, build_right_padded_geometry, check_alignment,
-                            completion_hidden, token_logprobs, topk_logprobs, unwrap)
+from opdkit.teacher import (
+    AlignmentError,
+    Geometry,
+    build_geometry,
+    build_right_padded_geometry,
+    check_alignment,
+    completion_hidden,
+    token_logprobs,
+    unwrap,
+)
 
 GEOMETRIES = {"left": build_geometry, "right": build_right_padded_geometry}  # data.pad_side
 
@@ -47,7 +53,8 @@ def step_seeds(seed: int, step: int, n: int, offset: int = 0) -> list[int]:
     return [sample_seed(seed, step, offset + i) for i in range(n)]
 
 
-def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_id: int, eos_id: int, device) -> Rollout:
+def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_id: int, eos_id: int,
+                      device) -> Rollout:
     """Reference solutions laid out like a rollout (for the ``sft`` control on references)."""
     ids_B_Sp, mask_B_Sp = left_pad(prompts, pad_id, device)
     comps = [s + [eos_id] for s in solutions]
@@ -57,8 +64,9 @@ def reference_rollout(prompts: list[list[int]], solutions: list[list[int]], pad_
     for i, c in enumerate(comps):
         comp_B_T[i, : len(c)] = torch.tensor(c)
         cmask_B_T[i, : len(c)] = 1
-    return Rollout(ids_B_Sp, mask_B_Sp, comp_B_T.to(device), cmask_B_T.to(device), torch.zeros_like(cmask_B_T).to(device),
-                   torch.zeros(len(comps), dtype=torch.bool, device=device), torch.arange(len(comps), device=device))
+    return Rollout(ids_B_Sp, mask_B_Sp, comp_B_T.to(device), cmask_B_T.to(device),
+                   torch.zeros_like(cmask_B_T).to(device), torch.zeros(len(comps), dtype=torch.bool, device=device),
+                   torch.arange(len(comps), device=device))
 
 
 def teacher_geometry(batch: Batch, rows: slice = slice(None)) -> Geometry:
@@ -178,7 +186,7 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
             logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, cfg.runtime.logprob_chunk, temperature,
                                       top_p)
         inside_N = logp_B_T[m_B_T] != float("-inf")  # N masked-in tokens; NaN counts as inside (and fails below)
-        d_N = (logp_B_T[m_B_T] - _recorded(ro)[m_B_T])[inside_N].abs()
+        d_N = (logp_B_T[m_B_T] - recorded_logp(ro)[m_B_T])[inside_N].abs()
         d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)
         share = float((~inside_N).float().mean()) if inside_N.numel() else 0.0
         out[f"{key}_max_abs_dlogp"], out[f"{key}_mean_abs_dlogp"] = d_max, d_mean
@@ -201,20 +209,7 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
     return out
 
 
-def _combine(parts: list[dict]) -> dict:
-    """Token-weighted means of chunk metrics (``tokens`` summed, ``*_max`` maxed)."""
-    total = sum(p.get("tokens", 0.0) for p in parts)
-    out: dict = {"tokens": total}
-    for key in {k for p in parts for k in p} - {"tokens"}:
-        vals = [(p[key], p.get("tokens", 0.0)) for p in parts if key in p and p[key] is not None]
-        if key.endswith("_max"):
-            out[key] = max(v for v, _ in vals) if vals else None
-        else:
-            out[key] = sum(v * w for v, w in vals) / total if total else None
-    return out
-
-
-def _recorded(ro: Rollout) -> torch.Tensor:
+def recorded_logp(ro: Rollout) -> torch.Tensor:
     """The rollout's sampling-time log-probs; an engine asked for none (``logprobs=False``) has none."""
     if ro.sampling_logp_B_T is None:
         raise ValueError("this rollout was drawn without its sampling log-probs (sample(..., logprobs=False)), but "
@@ -222,215 +217,3 @@ def _recorded(ro: Rollout) -> torch.Tensor:
     return ro.sampling_logp_B_T
 
 
-def _chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: Batch, rows: slice, n_tokens: float):
-    """Loss and metrics of positions ``sl`` of micro-batch ``rows``: the loss's declared inputs
-    (``opdkit.loss_table``) made for this chunk, then its function (with several teachers, once per
-    teacher on its rows: the per-teacher metrics); plus the reward's term (``opdkit.rewards``)."""
-    L = cfg.loss
-    spec = loss_table.spec(L.name)
-    ro = batch.rollout
-    ids_B_C = ro.completion_ids_B_T[rows, sl]
-    # the student policy the loss differentiates (loss_table.update_policy): tempered, top-p-truncated
-    logits_B_C_V = policy_logits(s_head(h_s_B_C_H).float(), *loss_table.update_policy(L, cfg.rollout))
-
-    def teacher_full_B_C_V():
-        with torch.no_grad():
-            return teachers.full_logprobs(t_ctx, sl)
-
-    make = {
-        "logp_B_T": lambda: logits_B_C_V.log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0],
-        "old_logp_B_T": lambda: _recorded(ro)[rows, sl],
-        "teacher_logp_B_T": lambda: t_ctx["logp_B_T"][:, sl],
-        "logits_B_T_V": lambda: logits_B_C_V,
-        "teacher_logp_B_T_V": teacher_full_B_C_V,
-        "topk_ids_B_T_K": lambda: t_ctx["topk_ids_B_T_K"][:, sl],
-        "topk_logp_B_T_K": lambda: t_ctx["topk_logp_B_T_K"][:, sl],
-        "mask_B_T": lambda: ro.completion_mask_B_T[rows, sl],
-        "n_tokens": lambda: n_tokens,
-    }
-    reward_B_C = None
-    if batch.reward_adv_B is not None:  # λ A_b on every token of row b
-        reward_B_C = (L.reward_weight * batch.reward_adv_B[rows])[:, None].expand(ids_B_C.shape)
-    kwargs = spec.params(L) | ({"reward_adv_B_T": reward_B_C} if reward_B_C is not None and spec.reward == "advantage"
-                               else {})
-    groups = teachers.row_groups(cfg, batch, rows)  # None: one teacher for every row
-    xtok = t_ctx is not None and "xtok_span_B_T" in t_ctx  # teacher.tokenizer=own (opdkit.xtok_loss)
-    if xtok and spec.teacher == "full":
-        from opdkit import xtok_loss
-
-        proj = xtok_loss.make_projection(batch.xtok.pair, cfg.teacher.vocab_map, logits_B_C_V.device)
-        loss, m = xtok_loss.full_loss(L.name, logits_B_C_V, teacher_full_B_C_V(), make["logp_B_T"](),
-                                      make["teacher_logp_B_T"](), t_ctx["xtok_one_B_T"][:, sl],
-                                      t_ctx["xtok_len_B_T"][:, sl], make["mask_B_T"](), n_tokens, proj, **kwargs)
-    elif groups is None:
-        loss, m = getattr(losses, spec.fn)(*(make[name]() for name in spec.inputs), **kwargs)
-        _fill_kl(cfg, m, logits_B_C_V, ids_B_C, t_ctx, sl, make["mask_B_T"]())
-    else:  # each teacher's rows through the loss on their own: the same sum, and metrics per teacher
-        vals = {name: make[name]() for name in spec.inputs}
-        loss, parts = None, {}
-        for name, idx_b in groups.items():
-            pick = (lambda x: x[idx_b] if torch.is_tensor(x) else x)
-            part, m_t = getattr(losses, spec.fn)(*(pick(vals[n]) for n in spec.inputs),
-                                                 **{k: pick(v) for k, v in kwargs.items()})
-            _fill_kl(cfg, m_t, logits_B_C_V[idx_b], ids_B_C[idx_b], t_ctx, sl, make["mask_B_T"]()[idx_b], idx_b)
-            loss = part if loss is None else loss + part
-            parts[name] = (m_t, float(part.detach()) * n_tokens)
-        m = teachers.chunk_metrics(_combine([m_t for m_t, _ in parts.values()]), parts)
-    if xtok:
-        from opdkit import xtok_loss
-
-        m = xtok_loss.chunk_metrics(m, t_ctx, sl, make["logp_B_T"](), make["mask_B_T"](), spec.teacher != "full")
-    if reward_B_C is not None:
-        loss, m = _add_reward(cfg, spec, loss, m, make, reward_B_C, t_ctx, sl)
-    return loss, m
-
-
-def _fill_kl(cfg: Config, m: dict, logits_B_C_V, ids_B_C, t_ctx, sl, mask_B_C, idx_b=None) -> None:
-    """A loss that reports no ``kl`` (top-K, sft): the sampled estimate on the scored tokens."""
-    if "kl" in m or t_ctx is None:
-        return
-    t_B_C = t_ctx["logp_B_T"][:, sl] if idx_b is None else t_ctx["logp_B_T"][idx_b, sl]
-    s_B_C = logits_B_C_V.detach().log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0]
-    d_B_C = s_B_C - t_B_C  # student samples: reverse KL; teacher samples: minus forward KL
-    sign = 1.0 if loss_table.samples_from(cfg.loss) == "student" else -1.0
-    m["kl"] = float(sign * (d_B_C * mask_B_C).sum() / mask_B_C.sum().clamp_min(1))
-
-
-def _add_reward(cfg: Config, spec, loss, m: dict, make: dict, reward_B_C, t_ctx, sl):
-    """The reward's part of a chunk (``opdkit.rewards``): for a loss with ``reward="term"`` its
-    policy-gradient term added to the loss; for every loss the metrics of the reward's share of the
-    per-token advantage (mean |λ A| and mean |log p_T - log p_S| over the scored tokens)."""
-    logp_B_C, mask_B_C = make["logp_B_T"](), make["mask_B_T"]()
-    if spec.reward == "term":
-        term, _ = losses.reward_pg_loss(logp_B_C, make["old_logp_B_T"](), reward_B_C, mask_B_C, make["n_tokens"](),
-                                        cfg.loss.clip_eps, dual_clip=cfg.loss.dual_clip)
-        loss = loss + term
-    with torch.no_grad():
-        keep_B_C = (mask_B_C != 0) & torch.isfinite(logp_B_C)
-        n = keep_B_C.sum().clamp_min(1)
-        d_B_C = torch.where(keep_B_C, t_ctx["logp_B_T"][:, sl] - logp_B_C, torch.zeros_like(logp_B_C))
-        r_B_C = torch.where(keep_B_C, reward_B_C, torch.zeros_like(reward_B_C))
-        m = m | {"reward_adv_abs": float(r_B_C.abs().sum() / n), "teacher_adv_abs": float(d_B_C.abs().sum() / n)}
-    return loss, m
-
-
-@torch.no_grad()
-def teacher_context(cfg: Config, teacher, batch: Batch, rows: slice, teacher_ctx_manager=contextlib.nullcontext) -> dict | None:
-    """What the loss needs from the teacher for micro-batch ``rows`` (``loss_table.teacher_need``;
-    None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full). For
-    ``recorded`` (sft on samples the teacher drew at temperature 1, top-p 1) the log-probs are the
-    ones the rollout recorded, with no teacher pass. A teacher on another device (``teacher.device``)
-    scores there; its outputs come to the batch's."""
-    need = loss_table.teacher_need(cfg.loss, cfg.rollout)
-    if need == "none":
-        return None
-    ro = batch.rollout
-    if need == "recorded":
-        return {"logp_B_T": ro.sampling_logp_B_T[rows]}
-    t_dev = teachers.device_of(teacher)
-    with teacher_ctx_manager():
-        _, head = unwrap(teacher)
-        h_B_T_H = completion_hidden(teacher, teacher_geometry(batch, rows).to(t_dev), cfg.runtime.unpadded_rows)
-        ids_B_T = ro.completion_ids_B_T[rows].to(t_dev)
-        ctx = {"logp_B_T": token_logprobs(head, h_B_T_H, ids_B_T, cfg.runtime.logprob_chunk), "head": head}
-        if need == "topk":
-            ctx["topk_ids_B_T_K"], ctx["topk_logp_B_T_K"] = topk_logprobs(head, h_B_T_H, cfg.loss.topk,
-                                                                          cfg.runtime.logprob_chunk)
-        elif need == "full":
-            ctx["hidden_B_T_H"] = h_B_T_H
-    return teachers.to_device(ctx, teacher, ro.completion_ids_B_T.device)
-
-
-def micro_slices(cfg: Config, batch: Batch) -> list[slice]:
-    B = batch.rollout.completion_ids_B_T.shape[0]
-    mb = cfg.optim.micro_batch or B
-    return [slice(s, min(B, s + mb)) for s in range(0, B, mb)]
-
-
-def score_batch(cfg: Config, teacher, batch: Batch, autocast, teacher_ctx_manager=contextlib.nullcontext) -> list:
-    """Teacher scoring of every micro-batch of the step (no grad). ``teacher``: an HF model, a
-    ``teachers.TeacherSet`` (each row scored by the teacher it names) or a teacher that scores
-    elsewhere (``engines.vllm_teacher``: one call for the step's rows)."""
-    with autocast():
-        if batch.xtok is not None:  # teacher.tokenizer=own: the teacher scores its own tokens, moved onto the student's
-            from opdkit import xtok_loss
-
-            view = Batch(batch.xtok.teacher, batch.xtok.teacher.prompt_ids_B_Sp, batch.xtok.teacher.prompt_mask_B_Sp)
-            slices = micro_slices(cfg, batch)
-            return [xtok_loss.to_student(ctx, batch.xtok, rows)
-                    for ctx, rows in zip(score_rows(cfg, teacher, view, slices, teacher_ctx_manager), slices)]
-        return score_rows(cfg, teacher, batch, micro_slices(cfg, batch), teacher_ctx_manager)
-
-
-@torch.no_grad()
-def score_rows(cfg: Config, teacher, batch: Batch, row_sets: list, teacher_ctx_manager=contextlib.nullcontext) -> list:
-    """``teacher_context`` of each of ``row_sets`` (slices or index tensors of the batch's rows). A
-    sharded teacher scoring row by row (``runtime.unpadded_rows``) gathers each layer once per row
-    set, not once per row."""
-    if loss_table.teacher_need(cfg.loss, cfg.rollout) == "none":
-        return [None] * len(row_sets)
-    if isinstance(teacher, teachers.TeacherSet):
-        subsets = teachers.split_rows(batch, row_sets, len(teacher.members))
-        per_teacher = {i: score_rows(cfg, member, batch, [idx for idx in sub if idx.numel()], teacher_ctx_manager)
-                       for i, (member, sub) in enumerate(zip(teacher.members, subsets))}
-        return teachers.merge(batch, row_sets, per_teacher)
-    if not isinstance(teacher, torch.nn.Module):
-        return teacher.score(cfg, batch, row_sets)
-    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
-    out = []
-    for rows in row_sets:
-        with gather_once(teacher):
-            out.append(teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager))
-    return out
-
-
-def micro_losses(cfg: Config, student, batch: Batch, contexts: list, autocast, n_tokens: float | None = None) -> dict:
-    """Forward + backward of the whole step in micro-batches; returns combined metrics.
-
-    ``contexts`` are ``score_batch``'s per-micro-batch teacher outputs. Gradients accumulate in
-    ``student``'s parameters; the loss is the token mean over the whole step (every micro-batch
-    divides by the step's token count). ``n_tokens`` overrides that count: a rank of a sharded run
-    holds part of the step and passes the global count / world size (FSDP averages over ranks).
-
-    Per micro-batch: the decoder's forward with grad (row by row with ``runtime.unpadded_rows``),
-    then each position chunk's head -> loss -> backward on a detached copy of the hidden states,
-    then one backward through the decoder with the accumulated hidden-state gradient. On a sharded
-    student that structure issues the same collectives on every rank, whatever its completion
-    lengths: the chunk backwards run under ``deferred_grad_sync`` (the head's gradient accumulates
-    where the root is gathered; no collective, however many chunks a rank's T makes), and the
-    decoder's backward reduce-scatters every gradient, the head's included, once; row by row, each
-    layer is gathered once for all rows (``layers_gathered``). Per micro-batch that is one
-    all-gather of the root, two of each layer (forward, backward) and one reduce-scatter of each
-    unit with trainable parameters.
-    """
-    ro = batch.rollout
-    n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
-    chunk = cfg.runtime.logprob_chunk
-    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
-    parts, total = [], 0.0
-    _, s_head = unwrap(student)
-    slices = micro_slices(cfg, batch)
-    check_same_on_ranks(student, len(slices), "micro-batches")
-    for rows, t_ctx in zip(slices, contexts):
-        with autocast(), gather_once(student):
-            h_B_T_H = completion_hidden(student, student_geometry(batch, rows), cfg.runtime.unpadded_rows)
-        h_leaf = h_B_T_H.detach().requires_grad_(True)
-        if t_ctx is not None and "xtok_span_B_T" in t_ctx:  # teacher.tokenizer=own: t~ of merged spans' tokens
-            from opdkit import xtok_loss  # (a no-grad pass of the head, the root still gathered: no collective)
-
-            with autocast():
-                t_ctx = xtok_loss.with_student_rest(t_ctx, s_head, h_leaf, batch.rollout.completion_ids_B_T[rows],
-                                                    chunk, *loss_table.update_policy(cfg.loss, cfg.rollout))
-        with deferred_grad_sync(student):
-            for s in range(0, h_leaf.shape[1], chunk):
-                sl = slice(s, s + chunk)
-                with autocast():
-                    loss, m = _chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, batch, rows, n_tokens)
-                loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
-                total += float(loss.detach())
-                parts.append(m)
-        with gather_once(student):
-            h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch: gradients reduced here
-    out = _combine(parts)
-    out["loss"] = total
-    return out

@@ -145,7 +145,8 @@ def check_inputs(cfg: Config, strict: bool) -> tuple[Inputs | None, list[Finding
         c.findings.append(Finding("teacher model", OK, f"teacher.source={src}: the student, given the "
                                   "reference solution in its prompt, is its own teacher (no teacher model)"))
     train_path = paths.train_data_path(cfg)
-    s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")  # before the data: the length filters count its tokens
+    # before the data: the length filters count its tokens
+    s_tok = c.run("student tokenizer", tokenizer_of, s_dir, "student model")
     examples = c.run("data", training_data, cfg, train_path, s_tok)
     t_toks = {role: c.run(f"{role} tokenizer", tokenizer_of, d, f"{role} model") for role, d in t_dirs.items()}
     own = cfg.teacher.tokenizer == "own" and with_teacher  # cross-tokenizer: the teacher keeps its own tokenizer
@@ -176,8 +177,9 @@ def check_inputs(cfg: Config, strict: bool) -> tuple[Inputs | None, list[Finding
     if c.failed:
         return None, c.findings
     first = next(iter(t_dirs.values()), None)
-    inputs = Inputs(s_dir, first, train_path, examples, fingerprint(examples), s_tok, t_toks.get(next(iter(t_dirs), None)),
-                    [f for f in c.findings if f.status == WARN], {f"{role} model": d for role, d in t_dirs.items()}, pair)
+    inputs = Inputs(s_dir, first, train_path, examples, fingerprint(examples), s_tok,
+                    t_toks.get(next(iter(t_dirs), None)), [f for f in c.findings if f.status == WARN],
+                    {f"{role} model": d for role, d in t_dirs.items()}, pair)
     return inputs, c.findings
 
 
@@ -207,7 +209,8 @@ def model_dir(path: Path, what: str, weights: bool = True):
         raise PairError(f"{what} directory {p}: config.json is not valid JSON ({e})",
                         "re-export the model with save_pretrained") from None
     if not isinstance(cfg, dict):
-        raise PairError(f"{what} directory {p}: config.json is not a JSON object", "re-export the model with save_pretrained")
+        raise PairError(f"{what} directory {p}: config.json is not a JSON object",
+                        "re-export the model with save_pretrained")
     arch = ", ".join(cfg.get("architectures") or [cfg.get("model_type", "?")])
     return p, [Finding(what, OK, f"{p} ({arch})")]
 
@@ -268,7 +271,8 @@ def chat_template(cfg: Config, s_dir, t_dir, s_tok, t_tok, examples: list[Exampl
         out.append(Finding("chat template", WARN, f"the teacher's chat template ({t_dir}) differs from the student's "
                            f"({'it has none' if t_tok.chat_template is None else 'other text'}): the teacher scores "
                            "prompts rendered in the student's format",
-                           "fine for a teacher tuned on the same format; else use a teacher of the student's chat format"))
+                           "fine for a teacher tuned on the same format; else use a teacher of the student's chat "
+                           "format"))
     else:
         out.append(Finding("chat template", OK, detail + ("; the teacher's is the same" if t_tok is not None else "")))
     return None, out
@@ -297,10 +301,11 @@ def thinking_state(cfg: Config, s_tok):
     state = {True: "on", False: "off"}
     if not privileged and d.teacher_enable_thinking != d.enable_thinking:
         raise PairError(f"data.teacher_enable_thinking={str(d.teacher_enable_thinking).lower()} differs from "
-                        f"data.enable_thinking={str(d.enable_thinking).lower()}, but teacher.source={cfg.teacher.source} "
-                        "scores the student's prompt tokens (one rendering for both)",
-                        f"set data.teacher_enable_thinking={str(d.enable_thinking).lower()} (it applies to a privileged "
-                        "teacher's own prompt)")
+                        f"data.enable_thinking={str(d.enable_thinking).lower()}, but "
+                        f"teacher.source={cfg.teacher.source} scores the student's prompt tokens (one rendering for "
+                        "both)",
+                        f"set data.teacher_enable_thinking={str(d.enable_thinking).lower()} (it applies to a "
+                        "privileged teacher's own prompt)")
     if not d.chat_template:
         off = [k for k in ("enable_thinking", "teacher_enable_thinking") if not getattr(d, k)]
         if off:
@@ -321,8 +326,8 @@ def thinking_state(cfg: Config, s_tok):
                                   "fine for such a model; a Qwen3-style model would read it")]
         return None, [Finding("thinking", OK, detail)]
     return None, [Finding("thinking", OK, f"the chat template reads enable_thinking: the student's prompts "
-                          f"{state[d.enable_thinking]} (data.enable_thinking; off: the answer opens with the template's "
-                          f"empty thinking block), {teacher}")]
+                          f"{state[d.enable_thinking]} (data.enable_thinking; off: the answer opens with the "
+                          f"template's empty thinking block), {teacher}")]
 
 
 def check_same_vocab(student_tok, teacher_tok, student_dir: str | Path = "", teacher_dir: str | Path = "") -> None:
@@ -400,11 +405,12 @@ def cross_tokenizer(cfg: Config, s_tok, t_tok, s_dir, t_dir, examples: list[Exam
         detail += (f"; vocabulary map ({cfg.teacher.vocab_map}): {proj.mapped_frac:.1%} of the teacher's ids map to a "
                    f"student id ({proj.exact_frac:.1%} by identical bytes), the rest to the tail bucket")
     if s_tok.get_vocab() == t_tok.get_vocab():
-        detail += "; the two vocabularies are the same (teacher.tokenizer=shared scores the same ids without re-tokenizing)"
+        detail += ("; the two vocabularies are the same (teacher.tokenizer=shared scores the same ids without "
+                   "re-tokenizing)")
     if respelled:
-        return pair, [Finding("vocabulary", WARN, detail + ": its tokens do not spell the text it encoded (it normalises "
-                              "text), so each such row is aligned as one span", "a teacher tokenizer without a "
-                              "normaliser gives a finer signal; the rows still train")]
+        return pair, [Finding("vocabulary", WARN, detail + ": its tokens do not spell the text it encoded "
+                              "(it normalises text), so each such row is aligned as one span",
+                              "a teacher tokenizer without a normaliser gives a finer signal; the rows still train")]
     return pair, [Finding("vocabulary", OK, detail)]
 
 
@@ -440,8 +446,8 @@ def vllm_rows(tok, t_dirs: dict[str, Path]):
         rows = config_rows(d)["output"]
         if rows != n:
             raise PairError(f"{role} model directory {d}: {rows:,} embedding rows for the tokenizer's {n:,} ids; vLLM "
-                            "normalises its prompt log-probs over every row, so the padding rows would take part of the "
-                            "teacher's probability (the HF teacher scores over the tokenizer's ids only)",
+                            "normalises its prompt log-probs over every row, so the padding rows would take part of "
+                            "the teacher's probability (the HF teacher scores over the tokenizer's ids only)",
                             f"write a copy cut to those ids and point the teacher's path (and `vllm serve`) at it: "
                             f"opdkit vocab-cut --model {d} --out {d}-cut")
     return None, [Finding("embedding rows (vllm)", OK, f"the teacher's rows are the tokenizer's {n:,} ids: vLLM's "
@@ -507,8 +513,8 @@ def special_tokens(cfg: Config, s_tok, t_tok, dirs: dict[str, Path]):
         _, t_eos = stop_ids(dirs["teacher"], t_tok)
         if not set(s_eos) & set(t_eos):
             out.append(Finding("special tokens", WARN, f"the student stops at {_names(s_tok, s_eos)} but the teacher's "
-                               f"EOS is {_names(t_tok, t_eos)}: the teacher scores the student's end-of-answer token as "
-                               "an ordinary token, so the signal at the end of every answer is off",
+                               f"EOS is {_names(t_tok, t_eos)}: the teacher scores the student's end-of-answer token "
+                               "as an ordinary token, so the signal at the end of every answer is off",
                                "use a teacher of the student's chat format, or give both the same eos_token_id in "
                                "generation_config.json"))
         else:
@@ -518,7 +524,8 @@ def special_tokens(cfg: Config, s_tok, t_tok, dirs: dict[str, Path]):
         if end is not None and end not in s_eos:
             out.append(Finding("special tokens", WARN, f"the chat template ends an assistant turn with "
                                f"{_names(s_tok, [end])}, which is not among the ids the student stops at "
-                               f"({_names(s_tok, s_eos)}): completions run on past the answer to rollout.max_new_tokens",
+                               f"({_names(s_tok, s_eos)}): completions run on past the answer to "
+                               "rollout.max_new_tokens",
                                f"add {end} to eos_token_id in the student's generation_config.json"))
         elif end is not None:
             detail += f"; the chat template ends a turn with {_names(s_tok, [end])} (a stop id)"

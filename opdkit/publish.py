@@ -40,18 +40,21 @@ from opdkit.checkpoints import (
     WEIGHTS_INDEX,
     ModelSpec,
     NonFiniteTensor,
-    nonfinite_names,
     file_record,
     is_valid_checkpoint,
     list_checkpoints,
     model_spec,
+    nonfinite_names,
     step_of,
     surviving_checkpoints_message,
     validate_checkpoint,
 )
 from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
-from opdkit.weights_io import shard_plan, write_index
-from opdkit.weights_io import write_safetensors as _write_safetensors  # a name tests patch to inject I/O faults
+from opdkit.weights_io import (
+    shard_plan,
+    write_index,
+    write_safetensors as _write_safetensors,  # a name tests patch to inject I/O faults
+)
 
 _TMP_RE = re.compile(r"^\.tmp-checkpoint-(\d+)-(\d+)(?:-(old|del))?$")
 
@@ -145,7 +148,8 @@ def export_checkpoint(
     return final
 
 
-def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _tensors_to_save(state_dict: dict[str, torch.Tensor], spec: ModelSpec,
+                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Check the tensors are CPU snapshots, drop tied duplicates (e.g. ``lm_head.weight``), cast
     floating ones to ``dtype`` and check every value is finite (in memory: the file is never read)."""
     for name, t in state_dict.items():
@@ -382,7 +386,8 @@ class Publisher:
             self.check()
             return
         self._pending_step = step
-        self._thread = threading.Thread(target=self._run, args=(step, kwargs, started_at), name=f"opdkit-publish-{step}")
+        self._thread = threading.Thread(target=self._run, args=(step, kwargs, started_at),
+                                        name=f"opdkit-publish-{step}")
         self._thread.start()
 
     def _run(self, step: int, kwargs: dict, started_at: float) -> None:

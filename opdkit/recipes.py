@@ -58,7 +58,8 @@ def recipe_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     return overlay(recipe_tree(p.parent / str(parent), _seen + (p,)), raw)
 
 
-def _named_recipe(raw: dict, params: str | Path | None, parsed: list[tuple[str, object]]) -> tuple[str, Path | None, str]:
+def _named_recipe(raw: dict, params: str | Path | None,
+                  parsed: list[tuple[str, object]]) -> tuple[str, Path | None, str]:
     """The recipe the params name: (as written, the file, where it was named)."""
     name, where = raw.get("recipe", ""), f"params key 'recipe' in {params}"
     for key, value in parsed:
@@ -148,7 +149,8 @@ def opsd_overrides(environ: Mapping[str, str]) -> list[str]:
             raise ConfigError(f"OPSD_WAVG_LAST={value}: tail weight averaging is not implemented in opdkit (the seed "
                               "shipped it off, default 0, and never ran it); unset it or set 0")
         if value not in values:
-            raise ConfigError(f"{name}={value}: expected one of {', '.join(values)} (the first is the released behaviour)")
+            raise ConfigError(f"{name}={value}: expected one of {', '.join(values)} "
+                              "(the first is the released behaviour)")
         out += values[value]
     return out
 

@@ -100,7 +100,8 @@ def expand_runs(paths: list[str | Path], cfg: Config) -> list[Path]:
         try:
             out.extend(dict.fromkeys(Path(p.format(arm=arm, seed=seed)) for arm, seed in pipeline_matrix(cfg)))
         except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"run pattern {p!r}: only {{arm}} and {{seed}} can be filled in ({type(e).__name__}: {e})") from None
+            raise ValueError(f"run pattern {p!r}: only {{arm}} and {{seed}} can be filled in "
+                             f"({type(e).__name__}: {e})") from None
     return out
 
 
@@ -273,7 +274,8 @@ def format_report(result: dict) -> str:
                      f"{_num(pr.get('diff_in_se'), '+9.2f')} {_num(pr.get('p_value'), '7.3f')}")
         lines.append(line)
     lines.append(f"(diff = arm - {result['baseline']}; SE columns: diff / its standard error; train_s: training "
-                 "seconds to the evaluated checkpoint on the machine that ran it; mean eval stderr per group in the JSON)")
+                 "seconds to the evaluated checkpoint on the machine that ran it; mean eval stderr per group in the "
+                 "JSON)")
     lines += [f"WARNING: {msg}" for msg in result.get("wall_mismatch", {}).values()]
     return "\n".join(lines)
 

@@ -62,11 +62,11 @@ def check_params(cfg) -> str | None:
     if L.reward_weight == 0:
         return None
     if loss_table.spec(L.name).reward == "none" or loss_table.samples_from(L) != "student":
-        return (f"loss.reward_weight={L.reward_weight:g} with loss.name={L.name}: the reward is a policy gradient on the "
-                "student's own samples; the sft control trains on other samples (set loss.reward_weight=0)")
+        return (f"loss.reward_weight={L.reward_weight:g} with loss.name={L.name}: the reward is a policy gradient "
+                "on the student's own samples; the sft control trains on other samples (set loss.reward_weight=0)")
     if G < 2:
-        return (f"loss.reward_weight={L.reward_weight:g} needs rollout.samples_per_prompt >= 2: the reward is centred by "
-                f"the prompt's group of samples, and a group of {G} has no baseline")
+        return (f"loss.reward_weight={L.reward_weight:g} needs rollout.samples_per_prompt >= 2: the reward is "
+                f"centred by the prompt's group of samples, and a group of {G} has no baseline")
     if cfg.rollout.overlap:
         return (f"loss.reward_weight={L.reward_weight:g} with rollout.overlap=1: the reward term's per-token PPO ratio "
                 "corrects neither the stale prefix nor the sequence-level reward (its expected gradient is "
@@ -116,9 +116,9 @@ def grade_rewards(texts: list[str], examples: list[Example], where: str = "the t
                 verdicts[key] = grading.grade_answer(pred, ex.answer, strict=True)
             except grading.GradingError as e:
                 row = f"row {ex.row}" if ex.row >= 0 else "a row"
-                raise RewardError(f"reward: the grader failed on {where}, {row} (id {ex.id}), completion {b} of the step: "
-                                  f"answer {ex.answer!r}, extracted {pred!r}: {e}. A failure is not a zero reward; check "
-                                  "the row's answer (or set loss.reward_weight=0)") from None
+                raise RewardError(f"reward: the grader failed on {where}, {row} (id {ex.id}), completion {b} of the "
+                                  f"step: answer {ex.answer!r}, extracted {pred!r}: {e}. A failure is not a zero "
+                                  "reward; check the row's answer (or set loss.reward_weight=0)") from None
         out.append(1.0 if verdicts[key] else 0.0)
     return out
 
@@ -133,7 +133,8 @@ def step_rewards(cfg, tokenizer, rollout, examples: list[Example], where: str = 
     lengths = rollout.completion_mask_B_T.sum(dim=1).long().tolist()
     texts = [completion_text(tokenizer, rollout.completion_ids_B_T[b, :lengths[b]].tolist()) for b in range(B)]
     r_B = torch.tensor(grade_rewards(texts, [ex for ex in examples for _ in range(G)], where))
-    adv_B = group_advantages(r_B.view(-1, G), cfg.loss.reward_baseline, cfg.loss.reward_norm).reshape(-1)  # (P, G) -> (B,)
+    # (P, G) -> (B,)
+    adv_B = group_advantages(r_B.view(-1, G), cfg.loss.reward_baseline, cfg.loss.reward_norm).reshape(-1)
     device = rollout.completion_ids_B_T.device
     return adv_B.to(device), r_B.to(device)
 

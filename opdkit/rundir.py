@@ -68,9 +68,9 @@ def check_resumable(cfg: Config, inputs: Inputs, state: dict, out: Path) -> None
                cfg.budget.schedule_steps or cfg.budget.max_steps)  # (saved, these params')
     if cfg.optim.schedule in ("linear", "cosine") and horizon[0] is not None and horizon[0] != horizon[1]:
         raise RunError(f"{out} holds a run (step {state['step']}) whose optim.schedule={cfg.optim.schedule} runs over "
-                       f"{horizon[0]} steps; these params would make it {horizon[1]} and reshape the learning rate from "
-                       f"here on. Keep the horizon with budget.schedule_steps={horizon[0]} (budget.max_steps may then "
-                       "change: steps past the horizon run at optim.min_lr), or choose another output directory")
+                       f"{horizon[0]} steps; these params would make it {horizon[1]} and reshape the learning rate "
+                       f"from here on. Keep the horizon with budget.schedule_steps={horizon[0]} (budget.max_steps may "
+                       "then change: steps past the horizon run at optim.min_lr), or choose another output directory")
     if state.get("data_fingerprint") not in (None, inputs.data_fingerprint):
         raise RunError(f"{out} holds a run (step {state['step']}) trained on other data than {inputs.train_path} "
                        "(fingerprints differ); resume it with the same data or choose another output directory")
@@ -112,8 +112,9 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
                                       "data_fingerprint": meta.get("data_fingerprint")}, out)
     elif list_checkpoints(out / "checkpoints"):
         names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
-        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state ({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume "
-                       "them from; choose another output directory or remove the old checkpoints")
+        raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state "
+                       f"({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume them from; choose another "
+                       "output directory or remove the old checkpoints")
 
 
 def trim_metrics(out: Path, step: int) -> float:
@@ -147,7 +148,8 @@ def finish(out: Path, reason: str, step: int, elapsed: float, log, world: distri
     """run.json's record of the end (``record``: more of it, e.g. the stop rule's reserve and the saves)."""
     status = "stopped" if reason.startswith("SIG") else "completed"
     newest = newest_checkpoint(out) if world.is_main else None
-    result = TrainResult(status, reason, step, round(elapsed, 3), [c.name for c in list_checkpoints(out / "checkpoints")],
+    result = TrainResult(status, reason, step, round(elapsed, 3),
+                         [c.name for c in list_checkpoints(out / "checkpoints")],
                          f"checkpoint-{newest[0]}" if newest else None)
     if not world.is_main:
         return result
@@ -181,11 +183,13 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
     step, data_pos = (state["step"], state["data_pos"]) if state else (0, 0)
     seen = world.gather(step if state is not None else None)  # every rank restores the same state
     if len(set(seen)) > 1:
-        raise RunError(f"the ranks see different trainer states in {trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several "
-                       "nodes the output directory must be one shared directory")
+        raise RunError("the ranks see different trainer states in "
+                       f"{trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several nodes "
+                       "the output directory must be one shared directory")
     lost_elapsed = trim_metrics(out, step) if world.is_main else 0.0
     newest = newest_checkpoint(out) if world.is_main else None
-    spent = max(state["elapsed_s"] if state else 0.0, lost_elapsed, (newest[1].get("elapsed_s") or 0.0) if newest else 0.0)
+    spent = max(state["elapsed_s"] if state else 0.0, lost_elapsed,
+                (newest[1].get("elapsed_s") or 0.0) if newest else 0.0)
     rid = (run_id(out) or (state or {}).get("run_id") or uuid.uuid4().hex) if world.is_main else None
     elapsed0, ahead, rid = world.from_main((spent, newest[0] if newest and newest[0] > step else None, rid))
     if world.is_main:
@@ -206,8 +210,10 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
         reason, done = world.from_main((reason, bool(reason) and state is not None
                                         and (ahead is not None or is_published(out, step))))
         if done:
-            log(f"this run already reached its end ({reason}) and checkpoint-{ahead or step} is published: nothing to do")
-            start.done = finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world, cfg.experiment_name)
+            log(f"this run already reached its end ({reason}) and checkpoint-{ahead or step} is published: "
+                "nothing to do")
+            start.done = finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world,
+                                cfg.experiment_name)
     return start
 
 

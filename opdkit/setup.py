@@ -36,12 +36,13 @@ def check_params(cfg: Config) -> None:
     if b.max_steps <= 0 and b.max_wall_time_s <= 0:
         raise RunError("no budget: set budget.max_steps > 0 or budget.max_wall_time_s > 0")
     if o.schedule in ("linear", "cosine") and (b.schedule_steps or b.max_steps) <= 0:
-        raise RunError(f"optim.schedule={o.schedule} needs a step horizon: set budget.max_steps or budget.schedule_steps "
-                       "(or use optim.schedule=wallclock_cosine)")
+        raise RunError(f"optim.schedule={o.schedule} needs a step horizon: set budget.max_steps or "
+                       "budget.schedule_steps (or use optim.schedule=wallclock_cosine)")
     if o.schedule == "wallclock_cosine" and b.max_wall_time_s <= 0:
         raise RunError("optim.schedule=wallclock_cosine needs budget.max_wall_time_s > 0")
     if b.max_wall_time_s > 0 and b.deadline_reserve_s >= b.max_wall_time_s:
-        raise RunError(f"budget.deadline_reserve_s ({b.deadline_reserve_s}) must be below budget.max_wall_time_s ({b.max_wall_time_s})")
+        raise RunError(f"budget.deadline_reserve_s ({b.deadline_reserve_s}) must be below budget.max_wall_time_s "
+                       f"({b.max_wall_time_s})")
     if cfg.rollout.prompts_per_step <= 0 or cfg.rollout.samples_per_prompt <= 0:
         raise RunError("rollout.prompts_per_step and rollout.samples_per_prompt must be positive")
     if cfg.publish.keep < 1:
@@ -52,7 +53,8 @@ def check_params(cfg: Config) -> None:
         raise RunError("rollout.overlap=1 draws the student's next batch ahead; loss.name=sft does not sample the "
                        "student: set rollout.overlap=0")
     if cfg.teacher.source != "model" and loss_table.samples_from(cfg.loss) != "student":
-        raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model (or sft_source=reference)")
+        raise RunError("loss.name=sft is the supervised control; it uses teacher.source=model "
+                       "(or sft_source=reference)")
     if cfg.data.pad_side == "right" and cfg.runtime.unpadded_rows:
         raise RunError("data.pad_side=right scores the padded layout itself (pads between prompt and completion, "
                        "consuming positions); runtime.unpadded_rows=true would remove those pads: set it to false")
@@ -138,7 +140,8 @@ class Run:
         if not self.cfg.teachers:
             return None
         index = {t.name: i for i, t in enumerate(self.cfg.teachers)}
-        return torch.tensor([index[ex.teacher] for ex in examples for _ in range(samples_per_prompt)], device=self.device)
+        return torch.tensor([index[ex.teacher] for ex in examples for _ in range(samples_per_prompt)],
+                            device=self.device)
 
 
 def _wrap_lora(cfg: Config, model):
@@ -195,7 +198,8 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
              else "")
     log(f"student {inputs.student_path} ({n_train:,} trainable parameters, {device}, compute {dtype}); "
         f"teacher {', '.join(map(str, inputs.teacher_paths.values())) or src}{where}"
-        + (f" (teacher.source=vllm{', ' + cfg.teacher.url if cfg.teacher.url else ', colocated'})" if src == "vllm" else ""))
+        + (f" (teacher.source=vllm{', ' + cfg.teacher.url if cfg.teacher.url else ', colocated'})"
+           if src == "vllm" else ""))
     return Run(cfg, inputs, device, dtype, student, tok, teacher, opt, ctx, ema, xtok=inputs.xtok if own else None)
 
 

@@ -1,6 +1,6 @@
 """FSDP2 primitives the library needs below the training loop: is a model sharded, gather its
 parameters for a block, put them back, and the two controls the loss's backward structure uses so
-that every rank issues the same collectives whatever its data (``opdkit.opd.micro_losses``).
+that every rank issues the same collectives whatever its data (``opdkit.step.micro_losses``).
 Imports nothing from opdkit (``opdkit.distributed``, the engines and ``opdkit.setup`` build on it).
 
 A sharded model here is the one ``distributed.shard_model`` builds: ``fully_shard`` on each

@@ -143,8 +143,9 @@ def paired_question_diff(correct_a: CorrectTable, correct_b: CorrectTable) -> di
     ``correct_a``, ``correct_b``: tables as in ``clustered_accuracy`` over the same questions
     (lists: same order and length; dicts: same keys); sample counts may differ. With
     d_p = s_p^a - s_p^b: ``diff`` = mean(d_P) (= accuracy_a - accuracy_b), ``se`` =
-    sd(d_P, ddof=1) / sqrt(P), ``diff_in_se``, ``p_value`` (paired t-test, df = P - 1, as ``scipy.stats.ttest_rel(s_a, s_b)``),
-    ``p_method``, ``n_questions``, and ``se_unpaired`` = sqrt(SE_a^2 + SE_b^2) for reference:
+    sd(d_P, ddof=1) / sqrt(P), ``diff_in_se``, ``p_value`` (paired t-test, df = P - 1, as
+    ``scipy.stats.ttest_rel(s_a, s_b)``), ``p_method``, ``n_questions``, and ``se_unpaired`` =
+    sqrt(SE_a^2 + SE_b^2) for reference:
     pairing removes the shared question difficulty, so usually se < se_unpaired.
     """
     qids_a, s_a = per_question_means(correct_a)

@@ -34,7 +34,7 @@ class Geometry:
     prompt_width: int  # Sp: completion token t sits at column Sp + t
     completion_len: int  # T
 
-    def to(self, device) -> "Geometry":
+    def to(self, device) -> Geometry:
         """The same geometry on ``device`` (itself where it already is there)."""
         if self.input_ids_B_S.device == torch.device(device):
             return self
@@ -226,7 +226,8 @@ def check_alignment(g: Geometry, completion_ids_B_T, completion_mask_B_T, prompt
         raise AlignmentError("scored tokens differ from the sampled completion tokens")
     if not bool(prompt_mask_B_Sp[:, -1].bool().all()):
         bad = int((~prompt_mask_B_Sp[:, -1].bool()).nonzero()[0])
-        raise AlignmentError(f"row {bad}: a pad sits between the prompt and the completion (prompts must be left-padded)")
+        raise AlignmentError(f"row {bad}: a pad sits between the prompt and the completion "
+                             "(prompts must be left-padded)")
     n_prompt_B = prompt_mask_B_Sp.long().sum(dim=1)
     expected_B_T = n_prompt_B[:, None] + torch.arange(T, device=n_prompt_B.device)[None, :]
     got_B_T = g.position_ids_B_S[:, Sp:Sp + T]

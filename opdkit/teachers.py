@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from opdkit import loss_table
+from opdkit.scores import TeacherScores
 from opdkit.teacher import head_on
 
 
@@ -46,8 +47,8 @@ def check_params(cfg) -> str | None:
     if T.device and not DEVICE_RE.match(T.device):
         return f"teacher.device={T.device!r}: expected '' (the student's device), cpu, cuda or cuda:N"
     if T.device and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return (f"teacher.device={T.device!r} is for one process; under torchrun each rank holds its teacher on its own "
-                "GPU (runtime.teacher_sharding), or use teacher.source=vllm with a server (teacher.url)")
+        return (f"teacher.device={T.device!r} is for one process; under torchrun each rank holds its teacher on its "
+                "own GPU (runtime.teacher_sharding), or use teacher.source=vllm with a server (teacher.url)")
     if T.device and T.source != "model":
         return (f"teacher.device={T.device!r} places a teacher model (teacher.source=model); teacher.source={T.source} "
                 "has none in this process (set teacher.device='')")
@@ -57,17 +58,20 @@ def check_params(cfg) -> str | None:
     if specs or column:
         if not (specs and column):
             return ("several teachers need both params key 'teachers' (name and path of each) and data.teacher_column "
-                    f"(the column naming each row's teacher); got {len(specs)} teachers and data.teacher_column={column!r}")
+                    f"(the column naming each row's teacher); got {len(specs)} teachers and "
+                    f"data.teacher_column={column!r}")
         names = [t.name for t in specs]
         if len(set(names)) != len(names):
             return f"params key 'teachers': each name once; got {names}"
         if T.source not in ("model", "vllm"):
-            return f"params key 'teachers' routes rows to teacher models; teacher.source={T.source} is the student itself"
+            return (f"params key 'teachers' routes rows to teacher models; teacher.source={T.source} is the student "
+                    "itself")
         if T.path:
             return (f"teacher.path={T.path!r} and params key 'teachers' are both set: with several teachers each one's "
                     "path is in 'teachers' (set teacher.path='')")
         if loss_table.samples_from(cfg.loss) == "teacher":
-            return "loss.name=sft samples from one teacher; with several teachers use an OPD loss (or loss.sft_source=reference)"
+            return ("loss.name=sft samples from one teacher; with several teachers use an OPD loss "
+                    "(or loss.sft_source=reference)")
         if T.source == "model" and any(t.url for t in specs):
             return "a url in params key 'teachers' is for teacher.source=vllm (a server per teacher)"
     return None
@@ -93,15 +97,13 @@ def device_of(teacher) -> torch.device:
     return next(teacher.parameters()).device
 
 
-def to_device(ctx: dict, teacher, device: torch.device) -> dict:
+def to_device(ctx: TeacherScores, teacher, device: torch.device) -> TeacherScores:
     """``teacher_context``'s outputs on ``device`` (as they are where the teacher runs there): the
     tensors moved, the head replaced by its copy on ``device`` where hidden states are kept."""
     if device_of(teacher) == device:
         return ctx
-    out = {k: v.to(device) if torch.is_tensor(v) else v for k, v in ctx.items() if k != "head"}
-    if "hidden_B_T_H" in ctx:
-        out["head"] = head_on(teacher, device)
-    return out
+    head = head_on(teacher, device) if ctx.hidden_B_T_H is not None else None
+    return TeacherScores(**{k: v.to(device) for k, v in ctx.tensors().items()}, head=head)
 
 
 def rows_tensor(rows, B: int, device) -> torch.Tensor:
@@ -116,8 +118,8 @@ def split_rows(batch, row_sets: list, n: int) -> list[list[torch.Tensor]]:
     return [[r[t_B[r] == i] for r in rows] for i in range(n)]
 
 
-def merge(batch, row_sets: list, per_teacher: dict[int, list]) -> list[dict | None]:
-    """One context per row set, laid out as a single teacher's (``opd.teacher_context``) from each
+def merge(batch, row_sets: list, per_teacher: dict[int, list]) -> list[TeacherScores | None]:
+    """One context per row set, laid out as a single teacher's (``step.teacher_context``) from each
     teacher's contexts of its rows (``per_teacher[i]``: one per non-empty subset of ``split_rows``)."""
     t_B = batch.teacher_B
     B = t_B.shape[0]
@@ -132,28 +134,28 @@ def merge(batch, row_sets: list, per_teacher: dict[int, list]) -> list[dict | No
                 continue
             ctx = left[i].pop(0)
             local = torch.searchsorted(rows_b, sub[j])  # positions of teacher i's rows in this row set
-            for key, v in ctx.items():
-                if key in ("head", "hidden_B_T_H"):
+            for key, v in ctx.tensors().items():
+                if key == "hidden_B_T_H":
                     continue
                 if key not in merged:
                     merged[key] = v.new_zeros((rows_b.numel(), *v.shape[1:]))
                 merged[key][local] = v
-            if "hidden_B_T_H" in ctx:
-                merged.setdefault("full_parts", []).append((local, ctx["head"], ctx["hidden_B_T_H"]))
-        out.append(merged or None)
+            if ctx.hidden_B_T_H is not None:
+                merged.setdefault("full_parts", []).append((local, ctx.head, ctx.hidden_B_T_H))
+        out.append(TeacherScores(**merged) if merged else None)
     return out
 
 
-def full_logprobs(ctx: dict, sl) -> torch.Tensor:
+def full_logprobs(ctx: TeacherScores, sl) -> torch.Tensor:
     """The teacher's log-probs over the vocabulary at completion positions ``sl``: (B, C, V) fp32,
     from one teacher's hidden states and head, or each of several teachers' on its rows."""
-    if "full_parts" not in ctx:
-        return ctx["head"](ctx["hidden_B_T_H"][:, sl]).float().log_softmax(-1)
+    if ctx.full_parts is None:
+        return ctx.head(ctx.hidden_B_T_H[:, sl]).float().log_softmax(-1)
     out = None
-    for local, head, h_b_T_H in ctx["full_parts"]:
+    for local, head, h_b_T_H in ctx.full_parts:
         lp_b_C_V = head(h_b_T_H[:, sl]).float().log_softmax(-1)
         if out is None:
-            n = sum(p[0].numel() for p in ctx["full_parts"])
+            n = sum(p[0].numel() for p in ctx.full_parts)
             out = lp_b_C_V.new_empty((n, *lp_b_C_V.shape[1:]))
         out[local] = lp_b_C_V
     return out

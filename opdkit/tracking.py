@@ -7,7 +7,8 @@ run's own directory::
 
     dvclive/metrics.json                the latest step's values (DVCLive's summary; what dvc metrics reads)
     dvclive/params.yaml                 the resolved config
-    dvclive/plots/metrics/<name>.tsv    step and value, a row per step (dvc plots show DIR/dvclive/plots/metrics -x step)
+    dvclive/plots/metrics/<name>.tsv    step and value, a row per step
+                                        (dvc plots show DIR/dvclive/plots/metrics -x step)
     tensorboard/events.out.tfevents.*   a scalar per name and step (tensorboard --logdir runs/train)
 
 DVCLive runs as it does inside a pipeline stage: ``save_dvc_exp=False`` and ``dvcyaml=None`` (the project's

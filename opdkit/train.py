@@ -69,21 +69,37 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit import (deadline, distributed, guards, interrupt, loss_table, offline, opd, overlap, rewards, teachers,
-                    tracking, trainer_state)
-from opdkit.rundir import METRICS_FILE, RUN_FILE, Start, TrainResult, begin, check_output_dir, finish, is_published, step_row
+from opdkit import (
+    deadline,
+    distributed,
+    guards,
+    interrupt,
+    loss_table,
+    overlap,
+    step as opd_step,
+    tracking,
+    trainer_state,
+)
 from opdkit.checkpoints import list_checkpoints
 from opdkit.config import Config, to_dict
+from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
+from opdkit.engines.select import make_engine
 from opdkit.fsutil import OutputLock, atomic_write_json
 from opdkit.publish import Publisher
-from opdkit.weights_io import export_dtype, parse_size
-from opdkit.engines.base import left_pad
-from opdkit.engines.select import make_engine
+from opdkit.rundir import (
+    METRICS_FILE,
+    RUN_FILE,
+    Start,
+    TrainResult,
+    begin,
+    check_output_dir,
+    finish,
+    is_published,
+    step_row,
+)
 from opdkit.schedules import lr_at, should_stop, wallclock_clock
-from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
-from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs, update_ema
-
-
+from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs
+from opdkit.weights_io import export_dtype, parse_size
 
 # --- publishing and stopping ------------------------------------------------------------------
 
@@ -155,7 +171,8 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     return inputs
 
 
-def train(cfg: Config, out: str | Path, log=print, progress: bool = True, started_at: float | None = None) -> TrainResult:
+def train(cfg: Config, out: str | Path, log=print, progress: bool = True,
+          started_at: float | None = None) -> TrainResult:
     """One OPD run into ``out`` (or the rest of one); raises on any failure (the caller maps it to
     an exit status). ``RunError``/``DataError``/``ModelError``/``ConfigError`` raised before the
     lock is taken leave ``out`` exactly as it was; ``LockHeld`` if another run writes there.
@@ -175,7 +192,8 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True, starte
     with contextlib.ExitStack() as locks:
         if world.is_main:
             locks.enter_context(OutputLock(out))
-            if cfg.runtime.state_dir and Path(cfg.runtime.state_dir).resolve() != out.resolve():  # CKPT_DIR: a lock of its own
+            # CKPT_DIR: a lock of its own
+            if cfg.runtime.state_dir and Path(cfg.runtime.state_dir).resolve() != out.resolve():
                 locks.enter_context(OutputLock(cfg.runtime.state_dir, "trainer state directory"))
         try:
             try:
@@ -192,7 +210,8 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True, starte
             try:  # best effort: the failure itself may be the file system
                 atomic_write_json(out / RUN_FILE, {"status": "failed", "error": f"{type(e).__name__}: {e}",
                                                    **getattr(e, "record", {}),
-                                                   "checkpoints": [c.name for c in list_checkpoints(out / "checkpoints")]})
+                                                   "checkpoints": [c.name for c in
+                                                                   list_checkpoints(out / "checkpoints")]})
             except OSError:
                 pass
             raise
@@ -202,13 +221,10 @@ def train(cfg: Config, out: str | Path, log=print, progress: bool = True, starte
 class _Loop:
     """What the loop runs with, built once per start by ``_setup``."""
     run: Run
-    engine: object  # the student's sampler (an ``overlap.Lookahead`` around it with rollout.overlap)
-    teacher_engine: object | None  # the sft control's sampler (the teacher's), else None
+    sampling: opd_step.Sampling  # who draws a step's samples (the student's engine, the sft control's, this rank's)
     publisher: Publisher | distributed.NullPublisher
     metrics_f: object  # train.jsonl, appended to (os.devnull on ranks other than 0)
     tracker: tracking.Tracker
-    mine: slice  # this rank's prompts of a step
-    reads_logp: bool  # the loss reads the sampler's log-probs (else recorded for the alignment check only)
     published_step: int | None  # the newest step whose checkpoint is published or being published
     state_step: int | None  # the step of the newest trainer state (None: none saved)
     ahead: int | None  # a checkpoint newer than the state this start resumed from: steps up to it are not exported
@@ -216,7 +232,8 @@ class _Loop:
     exports_seen: int = 0  # the publisher's export timings already in ``clock``
 
 
-def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World, start: Start) -> _Loop:
+def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: distributed.World,
+           start: Start) -> _Loop:
     """Build the run (restored from ``start.state``, sharded under torchrun), its samplers, the
     publisher and metrics file; publish the restored weights if they never were (and no newer
     checkpoint is there); measure the write rate the first saves are estimated at; open the tracker."""
@@ -241,7 +258,8 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
         metrics_f = (out / METRICS_FILE).open("a")
     else:
         publisher, metrics_f = distributed.NullPublisher(), open(os.devnull, "w")
-    # offline: the pool serves the stored samples (it is the run's teacher too: opdkit.offline); else the student's sampler
+    # offline: the pool serves the stored samples (it is the run's teacher too: opdkit.offline); else the student's
+    # sampler
     engine = run.teacher if cfg.rollout.source == "offline" else make_engine(cfg, run.student, run.tokenizer)
     # the sft control samples from the teacher: its engine is built once, not every step
     teacher_engine = (make_engine(cfg, run.teacher, run.tokenizer)
@@ -258,13 +276,14 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
     if world.is_main and b.max_wall_time_s > 0 and b.write_probe_mb > 0:
         rate = deadline.probe_write_rate([trainer_state.directory(out, cfg.runtime.state_dir), out / "checkpoints"],
                                          b.write_probe_mb << 20)
-        log(f"write probe: {b.write_probe_mb} MiB at {rate / 1e9:.2f} GB/s (the first saves are reserved at their bytes "
-            f"over this rate x {b.save_estimate_factor:g})")
+        log(f"write probe: {b.write_probe_mb} MiB at {rate / 1e9:.2f} GB/s (the first saves are reserved at their "
+            f"bytes over this rate x {b.save_estimate_factor:g})")
     clock = deadline.SaveClock(deadline.state_bytes(run.student, run.ema),
                                deadline.export_bytes(run.student, run.extras["publish_dtype"]), rate,
                                b.save_estimate_factor)
-    lp = _Loop(run, engine, teacher_engine, publisher, metrics_f, tracker=None, mine=mine, reads_logp=reads_logp,
-               published_step=None, state_step=state_step, ahead=start.ahead, clock=clock)
+    sampling = opd_step.Sampling(engine, teacher_engine, mine, reads_logp)
+    lp = _Loop(run, sampling, publisher, metrics_f, tracker=None, published_step=None, state_step=state_step,
+               ahead=start.ahead, clock=clock)
     step = start.step
     if step and world.from_main(is_published(out, step)):
         lp.published_step = step
@@ -292,138 +311,14 @@ def _set_lr(cfg: Config, run: Run, step: int, elapsed: float, last_step_s: float
     return lr
 
 
-def _step_batch(cfg: Config, inputs: Inputs, lp: _Loop, step_i: int, pos: int):
-    """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
-    P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-    rows = prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order, cfg.data.hf_order)
-    examples = [inputs.examples[i] for i in rows][lp.mine]
-    return examples, lp.run.prompts(examples), opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=lp.mine.start * G)
-
-
-def _draw(cfg: Config, inputs: Inputs, lp: _Loop, world: distributed.World, step: int, data_pos: int, check: bool,
-          elapsed: float, last_step_s: float, save_s: float):
-    """Step ``step + 1``'s batch: P prompts x G samples from the student (or the teacher / the
-    references for sft; a rank of a sharded run takes prompts mine.start .. mine.stop-1), the
-    teacher's view of them, and their rewards (None at λ = 0). With rollout.overlap the batch was
-    drawn during the previous step, and the next step's is started here. Returns (batch, reward,
-    lag): lag = updates between the weights that drew the batch and those it trains. ``check``: the
-    step's alignment check reads the sampling log-probs."""
-    R, G, run, engine = cfg.rollout, cfg.rollout.samples_per_prompt, lp.run, lp.engine
-    pad_id = run.tokenizer.pad_token_id
-    examples, prompts, seeds = _step_batch(cfg, inputs, lp, step, data_pos)
-    lag = 0
-    draw = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
-    if loss_table.samples_from(cfg.loss) == "reference":
-        sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
-        rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
-    else:
-        sampler = lp.teacher_engine or engine
-        with run.autocast():
-            rollout = sampler.sample(prompts, seeds=seeds, logprobs=lp.reads_logp or check, **draw)
-        if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
-            lag = engine.lag
-            if not should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s, save_s):
-                _, next_prompts, next_seeds = _step_batch(cfg, inputs, lp, step + 1, data_pos + R.prompts_per_step)
-                engine.prefetch(next_prompts, seeds=next_seeds, logprobs=lp.reads_logp, **draw)
-    if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
-        t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
-    else:  # privileged: the teacher's prompt also holds the reference solution
-        priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
-        t_ids, t_mask = left_pad(priv, pad_id, run.device)
-    batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side, teacher_B=run.teacher_rows(examples, G))
-    if run.xtok is not None:  # teacher.tokenizer=own: each completion's text re-tokenized by the teacher (opdkit.xtok)
-        from opdkit import xtok
-
-        t_prompts = [p for p in run.teacher_prompts(examples) for _ in range(G)]
-        batch.xtok = xtok.teacher_view(run.xtok, rollout.completion_ids_B_T, rollout.completion_mask_B_T, t_prompts)
-    # OPD plus a verifiable reward: every completion graded against its row's answer (None at λ = 0)
-    reward = rewards.attach(cfg, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}")
-    return batch, reward, lag
-
-
-def _alignment_step(cfg: Config, step: int, first_step: int) -> bool:
-    """Whether step ``step + 1`` runs the alignment check: the first batch of every start, and with
-    ``runtime.alignment_every`` = N > 0 every N-th step too."""
-    every = cfg.runtime.alignment_every
-    return cfg.runtime.alignment_check and (step == first_step or bool(every and (step + 1) % every == 0))
-
-
-def _check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, step: int, log) -> dict | None:
-    """On the first batch of a start (and every ``runtime.alignment_every`` steps): the sampler's
-    log-probs against the loss's recomputation (``opd.alignment_report``; ``AlignmentError`` stops
-    the run). The report, or None if not run."""
-    align = None
-    if lag:
-        log(f"alignment check skipped at step {step + 1}: its batch was drawn (rollout.overlap=1) by the weights one "
-            "update before the current ones; it ran on the run's first batch")
-    elif cfg.rollout.source == "offline" and not (
-            step == 0 and cfg.rollout.offline_ratio == "behaviour"
-            and offline.behaviour_is_student(run.teacher, run.inputs.student_path)):
-        log("alignment check skipped: the offline pool's samples were drawn by its policy, not by these weights (it runs "
-            "at step 0 of a run whose student is the pool's policy, rollout.offline_ratio=behaviour)")
-    elif loss_table.samples_from(cfg.loss) == "student":
-        with run.autocast():  # recomputed as the loss recomputes them
-            align = opd.alignment_report(cfg, batch, run.student, opd.check_precision(cfg, run.dtype, run.device))
-    if align and batch.xtok is not None:  # the teacher's own view: its layout, and how the two tokenizations align
-        from opdkit import xtok
-        from opdkit.teacher import check_alignment
-
-        view = batch.xtok.teacher
-        g = opd.GEOMETRIES["left"](view.prompt_ids_B_Sp, view.prompt_mask_B_Sp, view.completion_ids_B_T,
-                                   view.completion_mask_B_T)
-        t = check_alignment(g, view.completion_ids_B_T, view.completion_mask_B_T, view.prompt_mask_B_Sp)
-        align |= {f"teacher_view_{k}": v for k, v in t.items()} | xtok.span_stats(batch.xtok)
-    if align:
-        log(f"alignment check passed at step {step + 1}: {align}")
-    return align
-
-
-def _losses(cfg: Config, run: Run, world: distributed.World, batch: opd.Batch, contexts, reward):
-    """Loss + backward, micro-batched, as a token mean over the whole step (FSDP averages gradients
-    over ranks, hence / world.size). Returns (metrics reduced over ranks, tokens, sequences,
-    truncated sequences), the counts summed over ranks."""
-    rollout = batch.rollout
-    n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
-                                      int(rollout.truncated_B.sum()))
-    m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
-    m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
-    m = distributed.reduce_metrics(m, world)
-    m = rewards.finish_metrics(reward, teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers)))
-    return m, n_tok, n_seq, n_trunc
-
-
-def _update(cfg: Config, run: Run, engine, m: dict, step_no: int, skips: int, log):
-    """Clip the gradients and step the optimizer, unless the loss or gradient norm is non-finite
-    (``guards.stop_or_skip``: raises under runtime.on_nonfinite=stop or after too many skips; else
-    the update is dropped); then check the parameters, update the EMA teacher, sync the sampler.
-    Returns (grad_norm, the non-finite names or an empty list, consecutive skips)."""
-    trainable = [p for p in run.student.parameters() if p.requires_grad]
-    grad_norm = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
-    # loss and norm are global (reduced over ranks): every rank takes the same decision
-    bad = guards.nonfinite_values(loss=m["loss"], grad_norm=grad_norm)
-    skips = skips + 1 if bad else 0
-    if bad:
-        guards.stop_or_skip(bad, {"loss": m["loss"], "grad_norm": grad_norm}, step_no, skips,
-                            cfg.runtime.on_nonfinite, cfg.runtime.max_nonfinite_skips)
-        run.optimizer.zero_grad(set_to_none=True)
-        log(f"step {step_no}: non-finite {', '.join(bad)}; update skipped ({skips} in a row)")
-    else:
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        guards.check_parameters(trainable, step_no)
-        if run.ema is not None:
-            update_ema(run.ema, run.student, cfg.teacher.ema_decay)
-        engine.sync_weights(run.student)  # a separate inference engine (vLLM) samples the new weights
-    return grad_norm, bad, skips
-
-
 def _save(cfg: Config, out: Path, lp: _Loop, step: int, elapsed: float, data_pos: int, log) -> None:
     """The trainer state at ``step`` (every rank writes its part), once the previous export has
     succeeded; timed for the stop rule."""
     lp.publisher.wait()
     interrupt.ensure_installed(log)  # a save is never cut short by a handler that is not ours
     t0 = time.monotonic()
-    path = trainer_state.save(out, lp.run, step, elapsed, data_pos, log, lp.engine.state() if cfg.rollout.overlap else None)
+    pending = lp.sampling.engine.state() if cfg.rollout.overlap else None
+    path = trainer_state.save(out, lp.run, step, elapsed, data_pos, log, pending)
     seconds = time.monotonic() - t0
     lp.state_step = step
     nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if distributed.current().is_main else 0
@@ -500,7 +395,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
         return start.done
     lp = _setup(cfg, inputs, out, log, t_start, world, start)
     run, step, data_pos, elapsed0, b = lp.run, start.step, start.data_pos, start.elapsed0, cfg.budget
-    start_step = first_step = step  # the alignment check runs on the first batch of every start (_alignment_step)
+    start_step = first_step = step  # the alignment check runs on the first batch of every start (step.alignment_due)
     skips, last_step_s, after_rollout_s = 0, 0.0, 0.0  # skips: non-finite updates dropped in a row
     bar = tqdm(total=cfg.budget.max_steps or None, initial=step, desc="train", unit="step", disable=not progress)
     with lp.publisher, lp.metrics_f, bar, lp.tracker:
@@ -525,31 +420,32 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 try:
                     with interrupt.deadline(None if left is None else time.monotonic() + left):
                         # 1. rollout, 2. teacher scoring, 3. loss + backward, 4. update
-                        check = _alignment_step(cfg, step, first_step)
-                        batch, reward, lag = _draw(cfg, inputs, lp, world, step, data_pos, check, elapsed,
-                                                   last_step_s, save_s)
+                        check = opd_step.alignment_due(cfg, step, first_step)
+                        batch, reward, lag = opd_step.draw(cfg, inputs, run, lp.sampling, world, step, data_pos, check,
+                                                           elapsed, last_step_s, save_s)
                 except interrupt.StepAbandoned as e:
                     abandoned = e.reason
                 abandoned = _abandoned_on_ranks(world, abandoned)
                 if abandoned:
                     _set_rng_states(rng)  # as if the step had never started: a resumed run draws it again
                     reason = abandoned
-                    log(f"step {step + 1} abandoned during its rollout after {time.monotonic() - t0:.1f}s ({abandoned}): "
-                        f"its weights were not updated; saving step {step}")
+                    log(f"step {step + 1} abandoned during its rollout after {time.monotonic() - t0:.1f}s "
+                        f"({abandoned}): its weights were not updated; saving step {step}")
             if reason:
                 stop = deadline.decision(reason, step, elapsed, last_step_s, save_s, parts, b.max_wall_time_s,
                                          b.deadline_reserve_s, bool(abandoned))
                 if b.max_wall_time_s:
-                    log(f"stopping at step {step} ({reason}) after {elapsed:.1f}s of the {b.max_wall_time_s:g}s budget; "
-                        f"reserved {stop['reserved_s']:.1f}s: next step {last_step_s:.1f}s, saves {save_s:.1f}s ("
+                    log(f"stopping at step {step} ({reason}) after {elapsed:.1f}s of the {b.max_wall_time_s:g}s "
+                        f"budget; reserved {stop['reserved_s']:.1f}s: next step {last_step_s:.1f}s, "
+                        f"saves {save_s:.1f}s ("
                         + ", ".join(f"{k} {v['s']:.1f}s {v['basis']}" for k, v in parts.items())
                         + f"), deadline reserve {b.deadline_reserve_s:g}s")
                 break
             t1 = _clock(run.device)
-            align = _check_alignment(cfg, run, batch, lag, step, log) if check else None
+            align = opd_step.check_alignment(cfg, run, batch, lag, step, log) if check else None
             at.phase = "score"
             try:
-                contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+                contexts = opd_step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
             except Exception as e:  # a teacher in a process of its own (vLLM) may stop on the same signal as we did
                 if world.active or cfg.rollout.overlap or not interrupt.requested():
                     raise
@@ -562,14 +458,18 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 break
             t2 = _clock(run.device)
             at.phase = "update"
-            m, n_tok, n_seq, n_trunc = _losses(cfg, run, world, batch, contexts, reward)
-            grad_norm, bad, skips = _update(cfg, run, lp.engine, m, step + 1, skips, log)
+            m, n_tok, n_seq, n_trunc = opd_step.loss_and_backward(cfg, run, world, batch, contexts, reward)
+            grad_norm, bad, skips = opd_step.update(
+                run, lp.sampling.engine, m, step + 1, skips, log, grad_clip=cfg.optim.grad_clip,
+                on_nonfinite=cfg.runtime.on_nonfinite, max_skips=cfg.runtime.max_nonfinite_skips,
+                ema_decay=cfg.teacher.ema_decay)
             step, data_pos = step + 1, data_pos + cfg.rollout.prompts_per_step
             at.phase = "bookkeeping"
             t3 = _clock(run.device)
             last_step_s, after_rollout_s = t3 - t0, t3 - t1
             elapsed = elapsed0 + t3 - t_start
-            waited = lp.engine.pop_waited() if cfg.rollout.overlap else 0.0  # waiting for the prefetch: rollout time
+            # waiting for the prefetch: rollout time
+            waited = lp.sampling.engine.pop_waited() if cfg.rollout.overlap else 0.0
             row = step_row(step, elapsed, lr, m, grad_norm, n_tok, n_seq, n_trunc, last_step_s,
                            (t1 - t0 + waited, t2 - t1, t3 - t2 - waited), world.max(_peak_memory_gb(run.device))[0],
                            lag if cfg.rollout.overlap else None, align, bad)

@@ -187,8 +187,8 @@ def _pieces(tensors: dict, world: distributed.World):
             local = t.to_local()
             shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
             if tuple(shape) != tuple(local.shape):
-                raise RuntimeError(f"trainer state: {'.'.join(map(str, path))} has a local shard of shape {list(local.shape)} "
-                                   f"where its placement gives {list(shape)}")
+                raise RuntimeError(f"trainer state: {'.'.join(map(str, path))} has a local shard of shape "
+                                   f"{list(local.shape)} where its placement gives {list(shape)}")
             if local.numel():
                 yield key, local, list(t.shape), list(offset)
         elif world.is_main:
@@ -285,7 +285,8 @@ def _publish(state_dir: Path, tmp: Path, meta: dict) -> Path:
         os.fsync(f.fileno())
     fsync_tree(tmp)
     taken = {key for key, _ in _states(state_dir)}
-    n = next(i for i in range(len(taken) + 1) if (meta["step"], i) not in taken)  # a second save of one step: a new name
+    # a second save of one step: a new name
+    n = next(i for i in range(len(taken) + 1) if (meta["step"], i) not in taken)
     final = state_dir / (f"trainer_state-{meta['step']}" + (f".{n}" if n else ""))
     os.rename(tmp, final)
     fsync_dir(state_dir)
@@ -357,7 +358,8 @@ def _load(run: Run, state: dict, parts: tuple[str, ...]) -> None:
     else:
         _read_into(tensors, state)
     # (a state that lacks any of these tensors was refused above; strict=False: tied names are stored once)
-    set_model_state_dict(run.student, tensors["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    set_model_state_dict(run.student, tensors["model"],
+                         options=StateDictOptions(ignore_frozen_params=True, strict=False))
     if "optimizer" in tensors:
         set_optimizer_state_dict(run.student, run.optimizer, tensors["optimizer"])
     if "ema" in tensors:

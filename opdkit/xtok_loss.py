@@ -36,12 +36,14 @@ span's text given the same text before it (chain rule within the span).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from opdkit import loss_table, losses
+from opdkit.scores import TeacherScores
 from opdkit.teacher import token_logprobs
 from opdkit.xtok import Pair, XtokBatch, span_sum
 
@@ -72,11 +74,11 @@ def check_params(cfg) -> str | None:
 
 def active(ctx) -> bool:
     """Whether a teacher context is a cross-tokenizer one (``to_student``'s)."""
-    return ctx is not None and "xtok_span_B_T" in ctx
+    return ctx is not None and ctx.cross_tokenizer
 
 
-def to_student(ctx_t: dict | None, xb: XtokBatch, rows) -> dict | None:
-    """A teacher context of the teacher's view (``opd.teacher_context`` of ``xb.teacher``'s rows
+def to_student(ctx_t: TeacherScores | None, xb: XtokBatch, rows) -> TeacherScores | None:
+    """A teacher context of the teacher's view (``step.teacher_context`` of ``xb.teacher``'s rows
     ``rows``: log-probs on the teacher's tokens) on the student's tokens of those rows:
     ``logp_B_T`` = T_j of each token's span (``with_student_rest`` then subtracts the rest of the
     span), the alignment tensors, and with the full losses the teacher's hidden state at a
@@ -85,36 +87,35 @@ def to_student(ctx_t: dict | None, xb: XtokBatch, rows) -> dict | None:
         return None
     s_span_B_T, t_span_B_U = xb.s_span_B_T[rows], xb.t_span_B_U[rows]
     n = int(xb.n_spans_B[rows].max()) if s_span_B_T.numel() else 1
-    T_B_J = span_sum(ctx_t["logp_B_T"].float(), t_span_B_U, n)
+    T_B_J = span_sum(ctx_t.logp_B_T.float(), t_span_B_U, n)
     t_B_T = torch.where(s_span_B_T >= 0, T_B_J.gather(1, s_span_B_T.clamp_min(0)), torch.zeros_like(s_span_B_T,
                                                                                                    dtype=T_B_J.dtype))
-    out = {"logp_B_T": t_B_T, "xtok_span_logp_B_T": t_B_T, "xtok_span_B_T": s_span_B_T,
-           "xtok_len_B_T": xb.s_len_B_T[rows], "xtok_one_B_T": xb.one_B_T[rows],
-           "xtok_respelled_B": xb.respelled_B[rows]}
-    if "hidden_B_T_H" in ctx_t:
-        h_B_U_H = ctx_t["hidden_B_T_H"]
+    out = TeacherScores(t_B_T, xtok_span_logp_B_T=t_B_T, xtok_span_B_T=s_span_B_T, xtok_len_B_T=xb.s_len_B_T[rows],
+                        xtok_one_B_T=xb.one_B_T[rows], xtok_respelled_B=xb.respelled_B[rows])
+    if ctx_t.hidden_B_T_H is not None:
+        h_B_U_H = ctx_t.hidden_B_T_H
         pos_B_T = xb.t_pos_B_T[rows]
         h_B_T_H = h_B_U_H.gather(1, pos_B_T[..., None].expand(-1, -1, h_B_U_H.shape[-1]))
-        out["hidden_B_T_H"] = torch.where(xb.one_B_T[rows][..., None], h_B_T_H, torch.zeros_like(h_B_T_H))
-        out["head"] = ctx_t["head"]
+        out.hidden_B_T_H = torch.where(xb.one_B_T[rows][..., None], h_B_T_H, torch.zeros_like(h_B_T_H))
+        out.head = ctx_t.head
     return out
 
 
-def with_student_rest(ctx: dict | None, head, h_B_T_H, ids_B_T, chunk: int, temperature: float, top_p: float):
+def with_student_rest(ctx: TeacherScores | None, head, h_B_T_H, ids_B_T, chunk: int, temperature: float, top_p: float):
     """``ctx`` with ``logp_B_T`` = t~_i = T_j - (S_j - s_i) (module docstring): the student's
     log-probs of the sampled tokens (detached, as the loss computes them) summed over each merged
     span, less the token's own. A token outside the student's top-p nucleus (s = -inf, left out of
     the loss) counts 0 in its span's sum. Unchanged where every span is one-to-one."""
-    if not active(ctx) or not bool((ctx["xtok_len_B_T"] > 1).any()):
+    if not active(ctx) or not bool((ctx.xtok_len_B_T > 1).any()):
         return ctx
     with torch.no_grad():
         s_B_T = token_logprobs(head, h_B_T_H.detach(), ids_B_T, chunk, temperature, top_p)
-        span_B_T = ctx["xtok_span_B_T"]
+        span_B_T = ctx.xtok_span_B_T
         s_B_T = torch.where(torch.isfinite(s_B_T) & (span_B_T >= 0), s_B_T, torch.zeros_like(s_B_T))
         S_B_J = span_sum(s_B_T, span_B_T, int(span_B_T.max()) + 1)
-        rest_B_T = torch.where(ctx["xtok_len_B_T"] > 1, S_B_J.gather(1, span_B_T.clamp_min(0)) - s_B_T,
+        rest_B_T = torch.where(ctx.xtok_len_B_T > 1, S_B_J.gather(1, span_B_T.clamp_min(0)) - s_B_T,
                                torch.zeros_like(s_B_T))
-    return ctx | {"logp_B_T": ctx["xtok_span_logp_B_T"] - rest_B_T}
+    return dataclasses.replace(ctx, logp_B_T=ctx.xtok_span_logp_B_T - rest_B_T)
 
 
 # --- the vocabulary projection of the full-distribution losses ------------------------------------------------
@@ -259,18 +260,18 @@ def _span_kl_sum(logp_B_C, xtok_teacher_B_C, len_B_C, mask_B_C) -> float:
         return float(torch.where(keep_B_C, d_B_C, torch.zeros_like(d_B_C)).sum())
 
 
-def chunk_metrics(m: dict, ctx: dict, sl, logp_B_C, mask_B_C, sampled: bool) -> dict:
+def chunk_metrics(m: dict, ctx: TeacherScores, sl, logp_B_C, mask_B_C, sampled: bool) -> dict:
     """A cross-tokenizer chunk's metrics: ``xtok_one_to_one_frac`` and ``xtok_respelled_frac``
     (shares of its tokens); for a sampled-token loss with merged spans, ``kl`` per student token
     (sum over spans of S_j - T_j, each span counted once)."""
     real_B_C = mask_B_C != 0
     n = float(real_B_C.sum().clamp_min(1))
-    one_B_C, len_B_C = ctx["xtok_one_B_T"][:, sl], ctx["xtok_len_B_T"][:, sl]
+    one_B_C, len_B_C = ctx.xtok_one_B_T[:, sl], ctx.xtok_len_B_T[:, sl]
     out = dict(m)
     out["xtok_one_to_one_frac"] = float((one_B_C & real_B_C).sum()) / n
-    out["xtok_respelled_frac"] = float((ctx["xtok_respelled_B"][:, None] & real_B_C).sum()) / n
+    out["xtok_respelled_frac"] = float((ctx.xtok_respelled_B[:, None] & real_B_C).sum()) / n
     if sampled and bool(((len_B_C > 1) & real_B_C).any()):
         keep_B_C = real_B_C & torch.isfinite(logp_B_C.detach())
         n_kept = float(keep_B_C.sum().clamp_min(1))
-        out["kl"] = _span_kl_sum(logp_B_C, ctx["logp_B_T"][:, sl], len_B_C, keep_B_C) / n_kept
+        out["kl"] = _span_kl_sum(logp_B_C, ctx.logp_B_T[:, sl], len_B_C, keep_B_C) / n_kept
     return out

@@ -7,7 +7,7 @@ Run by ``tests/test_collectives.py``::
 For each case (a name and params overrides) every rank builds the run as the trainer does
 (``build_run``, then ``shard_run``), takes its share of a global batch of ``LENGTHS`` completion
 tokens per row (so the ranks' longest completions, and hence their numbers of position chunks,
-differ), and runs the loop's update phase: teacher scoring, ``opd.micro_losses``, the metrics
+differ), and runs the loop's update phase: teacher scoring, ``step.micro_losses``, the metrics
 reduction, the clipped global norm and the optimizer step. Each rank writes
 ``OUT/<case>/rank<r>.json``: the collectives it issued in that update and in ``micro_losses``
 alone (``count_collectives``: every collective, whoever issues it, counted where gloo runs it), its
@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch.profiler import record_function
 
-from opdkit import distributed, guards, opd
+from opdkit import distributed, guards, opd, step as opd_step
 from opdkit.config import load_config
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.weights import full
@@ -41,7 +41,8 @@ BASE = ["runtime.threads=1", "runtime.device=cpu", "rollout.prompts_per_step=2",
         "budget.max_steps=1", "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=0.01"]
 PROMPT_LENS = (5, 8, 4, 6)  # of the global batch's rows (repeated for more rows)
 LENGTHS = (9, 7, 3, 2)  # completion tokens per row (2 prompts x 2 samples): T is 9 on rank 0 (rows 0-1), 3 on rank 1
-REWARD_ADV = (1.0, -1.0, 0.5, -0.5)  # with loss.reward_weight: each row's group-centred reward (opdkit.rewards), planted
+# with loss.reward_weight: each row's group-centred reward (opdkit.rewards), planted
+REWARD_ADV = (1.0, -1.0, 0.5, -0.5)
 
 
 @contextlib.contextmanager
@@ -118,10 +119,10 @@ def one_step(cfg, run, batch: opd.Batch, world: distributed.World) -> dict:
     collectives counted (over the whole update, and in ``micro_losses``), this rank's T and chunk
     count, and ``grads``: the clipped gradients the optimizer stepped with, full (unsharded) tensors."""
     with count_collectives() as counts:
-        contexts = opd.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+        contexts = opd_step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
         (n_tok,) = world.sum(batch.rollout.n_tokens)
         with record_function("opdkit:micro_losses"):
-            m = opd.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+            m = opd_step.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
         m = distributed.reduce_metrics(m, world)
         trainable = [p for p in run.student.parameters() if p.requires_grad]
         m["grad_norm"] = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip)

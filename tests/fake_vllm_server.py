@@ -72,8 +72,8 @@ class FakeVLLMServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.requests.append(body)
                 if fake.mode == "error":
-                    return self._send(400, {"error": {"message": "Requested prompt logprobs of 16, which is greater than "
-                                                      "max allowed: 5", "type": "BadRequestError", "code": 400}})
+                    return self._send(400, {"error": {"message": "Requested prompt logprobs of 16, which is greater "
+                                                      "than max allowed: 5", "type": "BadRequestError", "code": 400}})
                 if fake.mode == "garbage":
                     return self._send(200, b"<html>proxy error</html>")
                 choices = []

@@ -107,7 +107,8 @@ def figures_in(path: Path) -> int:
 def errors_in(path: Path) -> list[str]:
     """The notebook file's error outputs (``ename: evalue``)."""
     nb = json.loads(path.read_text())
-    return [f"{o['ename']}: {o['evalue']}" for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
+    return [f"{o['ename']}: {o['evalue']}" for c in nb["cells"] for o in c.get("outputs", [])
+            if o["output_type"] == "error"]
 
 
 # JupyterLab renders an error output as stderr text (as it renders a stream to stderr): its traceback

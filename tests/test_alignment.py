@@ -14,9 +14,9 @@ import torch
 from opdkit import opd, paths
 from opdkit.config import Config, replace
 from opdkit.data import encode_prompt, load_examples
-from opdkit.models import load_model, load_tokenizer
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.hf import HFEngine
+from opdkit.models import load_model, load_tokenizer
 from opdkit.teacher import AlignmentError
 
 CFG = replace(Config(), "runtime.threads=1")
@@ -106,7 +106,8 @@ def test_faithful_samplers_pass(student, tokenizer, prompts):
 
 def test_a_sampler_penalty_the_recompute_does_not_apply_stops_the_run(student, tokenizer, prompts):
     ro = StandInSampler(student, tokenizer.pad_token_id, penalty=1.3).sample(prompts)
-    with pytest.raises(AlignmentError, match="student.s log-probs of the sampled tokens, recomputed .* differ from the sampling"):
+    want = "student.s log-probs of the sampled tokens, recomputed .* differ from the sampling"
+    with pytest.raises(AlignmentError, match=want):
         _report(student, ro)
 
 

@@ -26,7 +26,8 @@ from opdkit.embedded import asset
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
-GRAD_TOL = 1e-5  # relative, per tensor: fp32 on CPU, only the order of float sums differs (the suite's grad_norm tolerance)
+# relative, per tensor: fp32 on CPU, only the order of float sums differs (the suite's grad_norm tolerance)
+GRAD_TOL = 1e-5
 N_LAYERS = json.loads((Path(asset("student")) / "config.json").read_text())["num_hidden_layers"]
 
 CASES = {
@@ -40,8 +41,10 @@ CASES["full-chunk3-padded-2micro"] = ["runtime.logprob_chunk=3", "optim.micro_ba
 CASES["full-chunk1-unpadded-fsdp_teacher-checkpointed"] = [  # S1 checkpoints activations
     "runtime.logprob_chunk=1", "runtime.unpadded_rows=true", "runtime.teacher_sharding=fsdp",
     "runtime.grad_checkpointing=true"]
-for loss in ("k1", "rkl"):  # the reward in k1's advantage, and as a policy-gradient term beside rkl (opdkit.rewards)
-    CASES[f"full-chunk1-padded-{loss}+reward"] = ["runtime.logprob_chunk=1", f"loss.name={loss}", "loss.reward_weight=0.5"]
+# the reward in k1's advantage, and as a policy-gradient term beside rkl (opdkit.rewards)
+for loss in ("k1", "rkl"):
+    CASES[f"full-chunk1-padded-{loss}+reward"] = ["runtime.logprob_chunk=1", f"loss.name={loss}",
+                                                  "loss.reward_weight=0.5"]
 
 
 @pytest.fixture(scope="module")

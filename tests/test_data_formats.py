@@ -11,10 +11,22 @@ import pyarrow.parquet as pq
 import pytest
 
 from opdkit.config import ConfigError, config_from_dict
-from opdkit.data import (ANSWER_LINE_PREFIX, ANSWER_LINE_SUFFIX, BOXED_INSTRUCTION, DataError, Example, encode_prompt,
-                         format_prompt, load_examples, read_table, select, token_counter)
+from opdkit.data import (
+    ANSWER_LINE_PREFIX,
+    ANSWER_LINE_SUFFIX,
+    BOXED_INSTRUCTION,
+    DataError,
+    Example,
+    encode_prompt,
+    format_prompt,
+    load_examples,
+    read_table,
+    select,
+    token_counter,
+)
 
-DAPO_PROBLEMS = [("What is $3+4$?", "7"), ("Find $x$ if $2x=1$.", "\\frac{1}{2}"), ("How many primes are below 20?", "8")]
+DAPO_PROBLEMS = [("What is $3+4$?", "7"), ("Find $x$ if $2x=1$.", "\\frac{1}{2}"), ("How many primes are below 20?",
+                                                                                    "8")]
 
 
 def _data(**kw):
@@ -38,8 +50,10 @@ def dapo(tmp_path):
 @pytest.fixture()
 def openthoughts(tmp_path):
     rows = [
-        {"uuid": "a", "problem": "Compute 12*12.", "solution": "12*12 = 144, so \\boxed{144}.", "answer": "144", "source": "olympiads"},
-        {"uuid": "b", "problem": "Compute 1/4+1/4.", "solution": "Half: \\boxed{\\frac{1}{2}}", "answer": None, "source": "amc_aime"},
+        {"uuid": "a", "problem": "Compute 12*12.", "solution": "12*12 = 144, so \\boxed{144}.", "answer": "144",
+         "source": "olympiads"},
+        {"uuid": "b", "problem": "Compute 1/4+1/4.", "solution": "Half: \\boxed{\\frac{1}{2}}", "answer": None,
+         "source": "amc_aime"},
         {"uuid": "c", "problem": "Sum 1..4.", "solution": "10", "answer": "10", "source": "cn_k12"},
         {"uuid": "d", "problem": "Compute 10^3.", "solution": "It is \\boxed{1,000}, a long and careful derivation.",
          "answer": None, "source": "olympiads"},
@@ -56,11 +70,13 @@ def chat_tok():
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    corpus = [q for q, _ in DAPO_PROBLEMS] + [ANSWER_LINE_PREFIX, ANSWER_LINE_SUFFIX, BOXED_INSTRUCTION, "user assistant"]
+    corpus = [q for q, _ in DAPO_PROBLEMS] + [ANSWER_LINE_PREFIX, ANSWER_LINE_SUFFIX, BOXED_INSTRUCTION,
+                                              "user assistant"]
     tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}"
                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return tok
 
@@ -77,7 +93,8 @@ def test_dapo_rows(dapo):
     assert format_prompt(exs[0], _data(prompt_format="answer_line", chat_template=True)) == format_prompt(
         exs[0], _data(chat_template=True))
     assert format_prompt(exs[0], _data(prompt_format="boxed")) == "What is $3+4$?\n" + BOXED_INSTRUCTION
-    assert format_prompt(exs[1], _data(prompt_format="raw")) == ANSWER_LINE_PREFIX + "Find $x$ if $2x=1$." + ANSWER_LINE_SUFFIX
+    assert format_prompt(exs[1],
+                         _data(prompt_format="raw")) == ANSWER_LINE_PREFIX + "Find $x$ if $2x=1$." + ANSWER_LINE_SUFFIX
 
 
 def test_openthoughts_rows_and_filters(openthoughts, chat_tok):
@@ -86,7 +103,8 @@ def test_openthoughts_rows_and_filters(openthoughts, chat_tok):
     assert [ex.answer for ex in exs] == ["144", "\\frac{1}{2}", "10", "1,000"]  # missing answers from the last \boxed{}
     # OPSD's integer answers: the whole (stripped) answer matches -?\d{1,6}; "1,000" does not
     assert [ex.id for ex in load_examples(openthoughts, _data(filters={"answer_regex": r"-?\d{1,6}"}))] == ["a", "c"]
-    assert [ex.id for ex in load_examples(openthoughts, _data(filters={"exclude_sources": ["cn_k12", "amc_aime"]}))] == ["a", "d"]
+    assert [ex.id for ex in load_examples(openthoughts, _data(filters={"exclude_sources": ["cn_k12",
+                                                                                           "amc_aime"]}))] == ["a", "d"]
     # lengths count the student tokenizer's tokens: without it the filter cannot run
     with pytest.raises(DataError, match="tokenizer"):
         load_examples(openthoughts, _data(filters={"min_reference_tokens": 3}))
@@ -185,7 +203,8 @@ def test_chat_template_encoding(dapo, chat_tok):
     cfg = _data(chat_template=True)
     ids = encode_prompt(ex, chat_tok, cfg)
     text = chat_tok.decode(ids)
-    assert text.startswith("<|im_start|>user\n" + ANSWER_LINE_PREFIX) and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>user\n" + ANSWER_LINE_PREFIX)
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     enc = chat_tok.apply_chat_template(format_prompt(ex, cfg), add_generation_prompt=True, tokenize=True)
     want = enc["input_ids"] if hasattr(enc, "keys") else enc  # transformers 5: a BatchEncoding
     assert ids == list(want)
@@ -193,7 +212,8 @@ def test_chat_template_encoding(dapo, chat_tok):
     t_ex = ex.__class__("t", "What is 2+2?", "4", solution="2+2=4, \\boxed{4}")
     assert chat_tok.decode(encode_prompt(t_ex, chat_tok, _data(prompt_format="boxed", chat_template=True))).startswith(
         "<|im_start|>user\nWhat is 2+2?\n" + BOXED_INSTRUCTION)
-    priv = chat_tok.decode(encode_prompt(t_ex, chat_tok, _data(prompt_format="boxed", chat_template=True), privileged=True))
+    priv = chat_tok.decode(encode_prompt(t_ex, chat_tok, _data(prompt_format="boxed", chat_template=True),
+                                         privileged=True))
     assert "2+2=4, \\boxed{4}" in priv and priv.endswith("<|im_start|>assistant\n")
     # no template on the tokenizer: a clear error
     plain = chat_tok.__class__(tokenizer_object=chat_tok.backend_tokenizer, eos_token="<|im_end|>")
@@ -201,7 +221,8 @@ def test_chat_template_encoding(dapo, chat_tok):
     with pytest.raises(DataError, match="no chat template"):
         encode_prompt(ex, plain, cfg)
     # without the chat template, chat rows are plain text
-    assert chat_tok.decode(encode_prompt(ex, chat_tok, _data())) == ANSWER_LINE_PREFIX + "What is $3+4$?" + ANSWER_LINE_SUFFIX
+    assert chat_tok.decode(encode_prompt(ex, chat_tok,
+                                         _data())) == ANSWER_LINE_PREFIX + "What is $3+4$?" + ANSWER_LINE_SUFFIX
 
 
 def test_embedded_style_privileged_text_prompt_is_unchanged(chat_tok):
@@ -213,7 +234,8 @@ def test_embedded_style_privileged_text_prompt_is_unchanged(chat_tok):
 
 
 def test_bad_rows_name_the_file_and_row(tmp_path):
-    bad = _write([{"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": None, "style": "x"}}],
+    bad = _write([{"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": None,
+                                                                                   "style": "x"}}],
                  tmp_path / "noanswer.parquet")
     with pytest.raises(DataError, match=r"noanswer.parquet, row 0: no ground-truth answer"):
         load_examples(bad, _data())
@@ -237,13 +259,16 @@ def test_bad_rows_name_the_file_and_row(tmp_path):
 
 def test_math500_aime_and_openthoughts_shapes(tmp_path):
     math500 = _write([{"problem": "Find $x$.", "solution": "So $x=\\boxed{\\frac{1}{2}}$.", "answer": "\\frac{1}{2}",
-                       "subject": "Algebra", "level": 3, "unique_id": "test/algebra/1.json"}], tmp_path / "math500.parquet")
-    aime24 = _write([{"ID": "2024-I-1", "Problem": "Every morning Aya ...", "Solution": "... $\\boxed{204}$", "Answer": 204},
+                       "subject": "Algebra", "level": 3, "unique_id": "test/algebra/1.json"}],
+                     tmp_path / "math500.parquet")
+    aime24 = _write([{"ID": "2024-I-1", "Problem": "Every morning Aya ...", "Solution": "... $\\boxed{204}$",
+                      "Answer": 204},
                      {"ID": "2024-I-2", "Problem": "There exist real numbers ...", "Solution": "...", "Answer": 25}],
                     tmp_path / "aime_2024.parquet")
     aime25_oc = tmp_path / "aime2025-I.jsonl"  # opencompass/AIME2025
     aime25_oc.write_text(json.dumps({"question": "Find the sum of all integer bases ...", "answer": "70"}) + "\n")
-    aime25_yl = _write([{"id": 0, "problem": "Find the sum ...", "solution": "", "answer": "70", "url": "u", "year": 2025}],
+    aime25_yl = _write([{"id": 0, "problem": "Find the sum ...", "solution": "", "answer": "70", "url": "u",
+                         "year": 2025}],
                        tmp_path / "aime_2025.parquet")
     opsd = _write([{"problem": "p", "solution": "s \\boxed{3}", "COT_Reason": "a long trace", "answer": "3",
                     "source": "olympiads"}], tmp_path / "opsd.parquet")
@@ -284,7 +309,8 @@ def _released_student(problem):
 
 def _released_teacher(problem, solution):
     transition_prompt = ("\n\nAfter understanding the reference solution and the rationale behind each step, now "
-                         "articulate your own step-by-step reasoning that derives the same final answer to the problem below:\n")
+                         "articulate your own step-by-step reasoning that derives the same final answer to the problem "
+                         "below:\n")
     return (f"{problem}\n\n"
             f"Here is a reference solution to this problem:\n{solution}\n"
             f"{transition_prompt}\n"

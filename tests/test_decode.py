@@ -5,11 +5,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from opdkit.engines.decode_kernels import rotate
-from opdkit.engines.static import StaticDecoder, inference_copy
 from opdkit.engines.base import left_pad
+from opdkit.engines.decode_kernels import rotate
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import policy_scores, sample_seed, uniform_noise
+from opdkit.engines.static import StaticDecoder, inference_copy
 
 PROMPTS = ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]
 
@@ -50,7 +50,8 @@ def test_lora_is_merged_into_the_inference_copy(tok):
 
     torch.manual_seed(0)
     model = get_peft_model(Qwen3ForCausalLM(Qwen3Config(**_kw(tok, head_dim=8, tie_word_embeddings=True))),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"))
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                      task_type="CAUSAL_LM"))
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.5)

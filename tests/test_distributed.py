@@ -59,7 +59,8 @@ def test_ranks_share_the_prompts_contiguously_and_the_count_must_divide(monkeypa
     shares = [distributed.World(rank=r, size=4).share(8) for r in range(4)]
     assert [list(range(8))[s] for s in shares] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(RunError, match=r"multiple of the number of ranks \(4\)"):
-        distributed.check_params(load_config(None, ["rollout.prompts_per_step=6"]), distributed.World(size=4, active=True))
+        distributed.check_params(load_config(None, ["rollout.prompts_per_step=6"]),
+                                 distributed.World(size=4, active=True))
     monkeypatch.setenv("WORLD_SIZE", "4")  # `WORLD_SIZE=4 opdkit train --check`, before torchrun starts
     with pytest.raises(RunError, match=r"multiple of the number of ranks \(4\)"):
         distributed.check_params(load_config(None, ["rollout.prompts_per_step=6"]), distributed.World())
@@ -152,7 +153,8 @@ def test_a_sharded_step_and_its_gathered_state_equal_the_unsharded_ones(world1, 
     for _ in range(2):  # two steps: the second reads the optimizer state the first wrote
         losses = [_loss_as_opd_computes_it(m) for m in (plain, sharded)]
         assert losses[0] == pytest.approx(losses[1], abs=1e-6)
-        norms = [distributed.clip_grad_norm_([p for p in m.parameters() if p.requires_grad], 1.0) for m in (plain, sharded)]
+        norms = [distributed.clip_grad_norm_([p for p in m.parameters() if p.requires_grad], 1.0)
+                 for m in (plain, sharded)]
         assert norms[0] == pytest.approx(norms[1], rel=1e-5)
         for o in opts:
             o.step()

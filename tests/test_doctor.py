@@ -15,8 +15,14 @@ import pytest
 from opdkit.cli import main as opdkit_main
 from opdkit.embedded import asset
 from opdkit.models import load_tokenizer
-from qwen2_fixture import (copy_model, fixture_dir, read_json, student_without_chat_template,
-                           teacher_with_another_vocabulary, teacher_with_fewer_rows)
+from qwen2_fixture import (
+    copy_model,
+    fixture_dir,
+    read_json,
+    student_without_chat_template,
+    teacher_with_another_vocabulary,
+    teacher_with_fewer_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^(OK|WARN|FAIL|SKIP) +(\S.*?)  +(.*)$")
@@ -90,7 +96,8 @@ def test_doctor_on_the_fixture_pair_reports_its_padding_rows(fx, tmp_path, monke
     status, detail, fix = rows["generation config (student)"]
     assert status == "WARN" and "repetition_penalty=1.05" in detail and fix
     assert rows["generation config (teacher)"][0] == "OK"
-    assert rows["special tokens"][0] == "OK" and "ends a turn with 151645 '<|im_end|>' (a stop id)" in rows["special tokens"][1]
+    assert rows["special tokens"][0] == "OK"
+    assert "ends a turn with 151645 '<|im_end|>' (a stop id)" in rows["special tokens"][1]
     assert rows["chat template"][0] == "OK" and rows["data"][1].endswith("32 rows selected (chat messages)")
     assert all(rows[c][0] == "OK" for c in LIVE[:4]), rows
     assert "gradient checkpointing" in rows["memory"][1] and "151,936" in rows["memory"][1]
@@ -124,7 +131,8 @@ def test_doctor_gives_the_fail_line_of_a_planted_fault(fault, fx, tmp_path, monk
     assert snapshot(fx, bad) == before
     # train's preflight refuses the same pair with the same check's message (exit 2, nothing written)
     out = tmp_path / "out"
-    code = opdkit_main(["train", "--check", "--out", str(out), "-p", "none", *sets, "-S", f"student.path={pair['student']}",
+    code = opdkit_main(["train", "--check", "--out", str(out), "-p", "none", *sets, "-S",
+                        f"student.path={pair['student']}",
                         "-S", f"teacher.path={pair['teacher']}", "-S", f"data.train={fx / 'data' / 'train.parquet'}"])
     assert code == 2 and capsys.readouterr().err.strip() == f"opdkit: error: {detail}; {fix}"
     assert not out.exists()
@@ -132,7 +140,8 @@ def test_doctor_gives_the_fail_line_of_a_planted_fault(fault, fx, tmp_path, monk
 
 def test_doctor_names_dropout_that_makes_the_student_differ_from_itself(tmp_path, monkeypatch, capsys):
     student = copy_model(asset("student"), tmp_path / "student", skip=("config.json",))
-    (student / "config.json").write_text(json.dumps(read_json(asset("student"), "config.json") | {"attention_dropout": 0.5}))
+    (student / "config.json").write_text(json.dumps(read_json(asset("student"),
+                                                              "config.json") | {"attention_dropout": 0.5}))
     rc, rows = doctor(tmp_path, monkeypatch, capsys, "-p", "none", "--student", str(student))
     assert rc == 1
     status, detail, fix = rows["self KL"]

@@ -55,7 +55,8 @@ def test_a_smaller_student_from_scratch_has_the_shape_asked_for_and_the_teacher_
     assert _build(tmp_path / "e", *sets) == 0
     s, t = (json.loads((tmp_path / "e" / m / "config.json").read_text()) for m in ("student", "teacher"))
     assert (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"], s["intermediate_size"]) == (8, 2, 1, 24)
-    assert (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"], t["intermediate_size"]) == (16, 1, 2, 32)
+    shape = (t["hidden_size"], t["num_hidden_layers"], t["num_attention_heads"], t["intermediate_size"])
+    assert shape == (16, 1, 2, 32)
     assert s["vocab_size"] == t["vocab_size"]  # one tokenizer: the losses compare the same ids
     made = json.loads((tmp_path / "e" / "manifest.json").read_text())["made"]
     assert "from scratch for 2 supervised steps" in made["student"] and "planted" in made["student"]

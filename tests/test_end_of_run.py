@@ -54,7 +54,7 @@ FAULTS = {
     """,
     "teacher_dies": """
         import signal
-        import opdkit.opd as o
+        import opdkit.step as o
         real_score, calls = o.score_batch, []
         def dying_teacher(*a, **k):  # step 2: the group's SIGTERM arrives, and stops the teacher's engine process too
             calls.append(1)

@@ -52,7 +52,8 @@ def test_a_checkpoints_generation_config_does_not_change_what_is_sampled(tiny_ll
     with torch.no_grad():
         inherited = shipped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
         plain_greedy = copy.deepcopy(tiny_llama).generate(input_ids=ids, attention_mask=mask, max_new_tokens=24,
-                                                          do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+                                                          do_sample=False, eos_token_id=eos,
+                                                          pad_token_id=tok.pad_token_id)
     assert not torch.equal(inherited, plain_greedy)
 
 

@@ -38,7 +38,8 @@ def test_each_preset_is_its_seeded_protocol_in_the_resolved_config(name, tmp_pat
     cfg = load_config(p)
     assert {k: getattr(cfg.eval, k) for k in fixed} == fixed and cfg.eval.batch_size == 16  # batch_size is free
     # ... but a -S that contradicts it is another measurement, said so
-    with pytest.raises(ConfigError, match=rf"'eval.n_samples': eval.protocol={name} fixes it at {fixed['n_samples']}.*custom"):
+    want = rf"'eval.n_samples': eval.protocol={name} fixes it at {fixed['n_samples']}.*custom"
+    with pytest.raises(ConfigError, match=want):
         config_from_dict({}, [f"eval.protocol={name}", "eval.n_samples=3"])
     assert config_from_dict({}, [f"eval.protocol={name}", f"eval.n_samples={fixed['n_samples']}"]).eval == \
         config_from_dict({}, [f"eval.protocol={name}"]).eval

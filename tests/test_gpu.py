@@ -26,8 +26,8 @@ def test_noise_is_the_same_on_cpu_and_gpu():
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_graph_replay_equals_eager_decoding(tok, arch):
-    from opdkit.engines.static import StaticDecoder
     from opdkit.engines.base import left_pad
+    from opdkit.engines.static import StaticDecoder
 
     model = _small(len(tok), arch, dtype=torch.bfloat16)
     prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]]
@@ -44,8 +44,8 @@ def test_graph_replay_equals_eager_decoding(tok, arch):
 
 
 def test_fused_graph_decoding_matches_the_modules_forward_in_fp32(tok):
-    from opdkit.engines.static import StaticDecoder
     from opdkit.engines.base import left_pad
+    from opdkit.engines.static import StaticDecoder
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _small(len(tok), "qwen3")
@@ -63,9 +63,9 @@ def test_fused_graph_decoding_matches_the_modules_forward_in_fp32(tok):
 def test_static_decoder_matches_generate_in_fp32(tok):
     """Same tokens as HF generate (dynamic cache) when both run in fp32: the cache geometry,
     positions, masks and grouped-query attention of the decoder are right."""
-    from opdkit.engines.static import StaticDecoder
     from opdkit.engines.base import left_pad
     from opdkit.engines.hf import HFEngine
+    from opdkit.engines.static import StaticDecoder
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _small(len(tok), "qwen2").eval()
@@ -105,7 +105,7 @@ def test_lora_policy_is_merged_into_the_inference_copy(tok):
 
 
 def _step_grads(tok, grad_ckpt: bool):
-    from opdkit import opd
+    from opdkit import opd, step as opd_step
     from opdkit.config import config_from_dict
     from opdkit.engines.hf import HFEngine
 
@@ -125,8 +125,8 @@ def _step_grads(tok, grad_ckpt: bool):
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
-    contexts = opd.score_batch(cfg, teacher, batch, autocast)
-    m = opd.micro_losses(cfg, student, batch, contexts, autocast)
+    contexts = opd_step.score_batch(cfg, teacher, batch, autocast)
+    m = opd_step.micro_losses(cfg, student, batch, contexts, autocast)
     return m, {n: p.grad.clone() for n, p in student.named_parameters()}, ro
 
 

@@ -4,8 +4,7 @@ import threading
 
 import pytest
 
-from opdkit.grading import (extract_boxed, grade_answer, grade_completion, grade_many,
-                            normalize_answer)
+from opdkit.grading import extract_boxed, grade_answer, grade_completion, grade_many, normalize_answer
 
 
 @pytest.mark.parametrize("text, expected", [

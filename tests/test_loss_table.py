@@ -2,13 +2,14 @@
 exists and returns exactly the declared metrics from the declared inputs, the step asks the
 teacher for exactly what the entry says, and the config, CLI help and README list the same names."""
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from opdkit import loss_table, losses, opd
+from opdkit import loss_table, opd, step as opd_step
 from opdkit.config import CHOICES, Config, replace
 from opdkit.engines.hf import HFEngine
 
@@ -35,7 +36,7 @@ def test_each_entry_calls_its_function_and_declares_its_metrics(name):
     spec = loss_table.spec(name)
     ins = _inputs()
     assert set(spec.inputs) <= set(ins) and spec.teacher in loss_table.TEACHER_NEEDS
-    loss, metrics = getattr(losses, spec.fn)(*(ins[k] for k in spec.inputs), **spec.params(Config().loss))
+    loss, metrics = spec.function(*(ins[k] for k in spec.inputs), **spec.params(Config().loss))
     assert loss.dim() == 0 and torch.isfinite(loss) and loss.requires_grad
     assert set(metrics) == set(spec.metrics), name
 
@@ -47,26 +48,26 @@ def test_the_step_scores_what_the_table_says(name, tiny_llama, tok):
     ro = HFEngine(tiny_llama, tok).sample(ids, samples_per_prompt=1, seeds=[1, 2], temperature=1.0, top_p=1.0,
                                           max_new_tokens=6)
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    ctx = opd.teacher_context(cfg, tiny_llama, batch, slice(None))
+    ctx = opd_step.teacher_context(cfg, tiny_llama, batch, slice(None))
     want = {"recorded": {"logp_B_T"}, "token": {"logp_B_T", "head"},
             "topk": {"logp_B_T", "head", "topk_ids_B_T_K", "topk_logp_B_T_K"},
             "full": {"logp_B_T", "head", "hidden_B_T_H"}}[loss_table.teacher_need(cfg.loss, cfg.rollout)]
-    assert set(ctx) == want
+    assert {f.name for f in dataclasses.fields(ctx) if getattr(ctx, f.name) is not None} == want
     if name == "sft":
         ref = replace(cfg, "loss.sft_source=reference")
         assert loss_table.teacher_need(ref.loss, ref.rollout) == "none"
-        assert opd.teacher_context(ref, tiny_llama, batch, slice(None)) is None
+        assert opd_step.teacher_context(ref, tiny_llama, batch, slice(None)) is None
         # teacher samples at temperature 1, top-p 1: the recorded log-probs, equal to a teacher pass over them
         # (here the sampler, tiny_llama, is the teacher; the pass runs when the rollout settings are others)
         assert loss_table.teacher_need(cfg.loss, cfg.rollout) == "recorded"
         tempered = replace(cfg, "rollout.temperature=0.6")
         assert loss_table.teacher_need(tempered.loss, tempered.rollout) == "token"
-        scored = opd.teacher_context(tempered, tiny_llama, batch, slice(None))["logp_B_T"]
+        scored = opd_step.teacher_context(tempered, tiny_llama, batch, slice(None)).logp_B_T
         m = ro.completion_mask_B_T.bool()
-        assert torch.equal(ctx["logp_B_T"], ro.sampling_logp_B_T)
-        torch.testing.assert_close(ctx["logp_B_T"][m], scored[m], atol=1e-5, rtol=0)
+        assert torch.equal(ctx.logp_B_T, ro.sampling_logp_B_T)
+        torch.testing.assert_close(ctx.logp_B_T[m], scored[m], atol=1e-5, rtol=0)
     if name == "topk_fkl":
-        assert ctx["topk_ids_B_T_K"].shape[-1] == 3
+        assert ctx.topk_ids_B_T_K.shape[-1] == 3
 
 
 def test_config_cli_help_and_readme_list_the_table():

@@ -191,7 +191,8 @@ def test_expected_gradient_is_the_named_divergence_gradient(kind, target, V, off
         one = torch.ones(1, 1, dtype=torch.float64)
         kw = {"clip_eps": math.inf, "dual_clip": 0.0} if off_policy else {"clip_eps": 0.2, "dual_clip": 3.0}
         expected_V = _expected_grad(
-            lambda v, logp, old: _call_sampled(kind, logp, old, t_V[v].reshape(1, 1), one, 1.0, **kw)[0],
+            lambda v, logp, old, t_V=t_V, one=one, kw=kw: _call_sampled(kind, logp, old, t_V[v].reshape(1, 1), one,
+                                                                        1.0, **kw)[0],
             theta_V, sampler_V)
         g_rkl, g_fkl = _divergence_grads(theta_V, t_V)
         want_V = g_rkl if target == "rkl" else g_fkl

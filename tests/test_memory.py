@@ -78,5 +78,6 @@ def test_held_weights_gradients_and_adam_moments_are_the_bytes_a_real_step_alloc
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     moments = [v for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
     parts = estimate(cfg, model_shape(students["embedded"]), None, 10, torch.device("cpu"), "hf", 2**34)
-    assert parts["held"] == {"student fp32 weights": nbytes(model.parameters()), "AdamW moments (fp32)": nbytes(moments)}
+    want = {"student fp32 weights": nbytes(model.parameters()), "AdamW moments (fp32)": nbytes(moments)}
+    assert parts["held"] == want
     assert parts["update"][GRADIENTS] == nbytes(p.grad for p in model.parameters())

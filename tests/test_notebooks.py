@@ -31,7 +31,8 @@ TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.m
 EVAL = ["eval.n_samples=2", "eval.max_new_tokens=16", "eval.max_questions=6", "runtime.threads=1"]
 
 pytestmark = pytest.mark.slow  # each notebook starts a kernel and imports torch (~10 s)
-EXECUTED: dict[str, Path] = {}  # notebook name -> its executed copy (execute() records it; the JupyterLab test opens it)
+# notebook name -> its executed copy (execute() records it; the JupyterLab test opens it)
+EXECUTED: dict[str, Path] = {}
 
 
 def execute(name: str, workdir: Path, **parameters) -> dict:
@@ -159,7 +160,8 @@ def test_eval_comparison(runs, tmp_path):
     # learning curve: the student before training at step 0, then each kept checkpoint (2, and the final 3)
     start, mid, end = m["curves"]["rkl"]
     assert (start["step"], start["mean"], start["se"], start["tokens"]) == (0, before["accuracy"], before["stderr"], 0)
-    mids = [json.loads((runs / "curves" / "rkl" / f"seed{s}" / "checkpoint-2.json").read_text())["accuracy"] for s in SEEDS]
+    mids = [json.loads((runs / "curves" / "rkl" / f"seed{s}" / "checkpoint-2.json").read_text())["accuracy"]
+            for s in SEEDS]
     assert mid["step"] == 2 and mid["n"] == 2 and mid["mean"] == pytest.approx(sum(mids) / 2)
     assert end["step"] == 3 and end["mean"] == pytest.approx(sum(after) / 2)
     tokens = [sum(r["tokens"] for r in train_metrics(runs / "train" / f"seed{s}")) for s in SEEDS]

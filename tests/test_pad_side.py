@@ -12,8 +12,14 @@ import torch
 from opdkit.config import config_from_dict
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.opd import Batch, alignment_report, pad_offsets, student_geometry, teacher_geometry
-from opdkit.teacher import (AlignmentError, build_geometry, build_right_padded_geometry, completion_hidden,
-                            token_logprobs, unwrap)
+from opdkit.teacher import (
+    AlignmentError,
+    build_geometry,
+    build_right_padded_geometry,
+    completion_hidden,
+    token_logprobs,
+    unwrap,
+)
 from procs import env
 
 PAD = 0
@@ -54,9 +60,11 @@ def test_scores_equal_the_released_forward_of_a_right_padded_batch(tiny_llama):
         logits = tiny_llama(input_ids=ids, attention_mask=mask).logits.float()[:, width - 1: -1]
         released_B_T = logits.log_softmax(-1).gather(-1, c_ids[..., None])[..., 0]
         _, head = unwrap(tiny_llama)
-        right = token_logprobs(head, completion_hidden(tiny_llama, build_right_padded_geometry(p_ids, p_mask, c_ids, c_mask)),
+        right = token_logprobs(head, completion_hidden(tiny_llama, build_right_padded_geometry(p_ids, p_mask, c_ids,
+                                                                                               c_mask)),
                                c_ids, 8)
-        left = token_logprobs(head, completion_hidden(tiny_llama, build_geometry(p_ids, p_mask, c_ids, c_mask)), c_ids, 8)
+        left = token_logprobs(head, completion_hidden(tiny_llama, build_geometry(p_ids, p_mask, c_ids, c_mask)), c_ids,
+                              8)
     m = c_mask.bool()
     assert torch.allclose(right[m], released_B_T[m], atol=1e-5)
     assert torch.allclose(left[0], right[0], atol=1e-5)  # k = 0: the same
@@ -114,7 +122,8 @@ TINY = ["-S", "rollout.prompts_per_step=4", "-S", "rollout.samples_per_prompt=1"
 
 def _train(tmp_path, *extra):
     return subprocess.run([sys.executable, "-m", "opdkit", "train", "--out", str(tmp_path / "out"), "-p", "none",
-                           "--quiet", *TINY, *extra], cwd=tmp_path, env=env(), text=True, capture_output=True, timeout=600)
+                           "--quiet", *TINY, *extra], cwd=tmp_path, env=env(), text=True, capture_output=True,
+                          timeout=600)
 
 
 def test_training_with_right_padding_checks_the_span_and_records_the_offsets(tmp_path):

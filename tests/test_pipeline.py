@@ -110,7 +110,8 @@ def test_every_seed_and_arm_gets_a_run_and_its_evals(tmp_path):
                "-S teacher.path=T -S data.train=D.parquet" in by_name[f"{arms[0]}/seed{seed}"]
         for c in controls:
             assert (f"-S seed={seed} -S loss.name=sft -S loss.sft_source={c['sft_source']} -S teacher.source=model "
-                    f"-S data.pad_side=left -S loss.reward_weight=0 -S rollout.source=live -S budget.max_steps={c['steps']} "
+                    "-S data.pad_side=left -S loss.reward_weight=0 -S rollout.source=live -S "
+                    f"budget.max_steps={c['steps']} "
                     f"-S publish.every_steps={c['every_steps']} "
                     f"-S experiment_name={c['name']}") in by_name[f"{c['name']}/seed{seed}"]
     # the evals: every kept checkpoint of every run (fake runs here), the last one into runs/eval
@@ -301,7 +302,8 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     # each run's training seconds (its final checkpoint's), beside its steps
     final4 = json.loads((runs / "train" / "sft_reference" / "seed1" / "checkpoints" / "checkpoint-4" / "opdkit.json")
                         .read_text())
-    assert [r["train_s"] for r in rep["runs"] if r["arm"] == "sft_reference" and r["seed"] == 1] == [final4["elapsed_s"]]
+    got = [r["train_s"] for r in rep["runs"] if r["arm"] == "sft_reference" and r["seed"] == 1]
+    assert got == [final4["elapsed_s"]]
     assert rep["groups"]["rkl"]["train_s_ratio"] == 1.0 and "train_s" not in rep["runs"][0]  # before: no checkpoint
 
     # dvc plots show: each run's training curves (its DVCLive log, gathered by the track stage), every point of
@@ -327,8 +329,8 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     for r, rows in jsonl.items():
         arm, seed = r.split("/")
         final = json.loads((runs / "eval" / arm / f"{seed}.json").read_text())["accuracy"]
-        assert tracked[arm][seed] == {"step": rows[-1]["step"], **{k: rows[-1][k] for k in ("loss", "kl", "lr", "clipped_mass")
-                                                                  if rows[-1].get(k) is not None}, "eval_accuracy": final}
+        last = {k: rows[-1][k] for k in ("loss", "kl", "lr", "clipped_mass") if rows[-1].get(k) is not None}
+        assert tracked[arm][seed] == {"step": rows[-1]["step"], **last, "eval_accuracy": final}
 
     # each stage imported only opdkit modules it declares (the hook logged every process of every stage)
     declared = {name: [d.def_path for d in deps if type(d).__name__ != "ParamsDependency"]
@@ -377,7 +379,8 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     shutil.copytree(runs / "train" / "rkl" / "seed1", runs / "train" / "rkl" / "seed9")
     shutil.copy(runs / "eval" / "rkl" / "seed1.json", runs / "eval" / "rkl" / "seed9.json")
     log = _dvc(repo, env, "repro")
-    assert _ran(log) == {"train", "eval"} and "rkl/seed1: reused" in log and "sft_reference/seed0/checkpoint-2: reused" in log
+    assert _ran(log) == {"train",
+                         "eval"} and "rkl/seed1: reused" in log and "sft_reference/seed0/checkpoint-2: reused" in log
     assert not (runs / "train" / "rkl" / "seed9").exists() and not (runs / "eval" / "rkl" / "seed9.json").exists()
     assert json.loads((runs / "report" / "report.json").read_text()) == report0
 

@@ -207,11 +207,11 @@ def test_a_sampled_token_outside_the_current_nucleus_has_weight_zero():
         loss, m = (losses.k1_loss(logp_B_T, old_B_T, teacher_B_T, mask_B_T, 3.0, **kw) if kind == "k1" else
                    getattr(losses, f"{kind}_loss")(logp_B_T, old_B_T, teacher_B_T, mask_B_T, 3.0))
         keep = [0, 2]
-        ref, m_ref = (losses.k1_loss(logp_B_T[:, keep], old_B_T[:, keep], teacher_B_T[:, keep], mask_B_T[:, keep], 3.0, **kw)
-                      if kind == "k1" else getattr(losses, f"{kind}_loss")(logp_B_T[:, keep], old_B_T[:, keep],
-                                                                           teacher_B_T[:, keep], mask_B_T[:, keep], 3.0))
+        kept = (logp_B_T[:, keep], old_B_T[:, keep], teacher_B_T[:, keep], mask_B_T[:, keep], 3.0)
+        ref, m_ref = (losses.k1_loss(*kept, **kw) if kind == "k1" else getattr(losses, f"{kind}_loss")(*kept))
         grad = torch.autograd.grad(loss, logp_B_T)[0]
-        assert torch.isfinite(grad).all() and grad[0, 1] == 0 and float(loss.detach()) == pytest.approx(float(ref.detach()))
+        assert torch.isfinite(grad).all() and grad[0, 1] == 0
+        assert float(loss.detach()) == pytest.approx(float(ref.detach()))
         assert m["tokens"] == 2 and m["kl"] == pytest.approx(m_ref["kl"])
 
 
@@ -220,15 +220,16 @@ def test_a_sampled_token_outside_the_current_nucleus_has_weight_zero():
 
 @pytest.mark.parametrize("name", ["rkl", "k2", "k3"])
 def test_the_training_step_differentiates_the_sampling_policy(tiny_llama, tok, name):
-    """``opd.micro_losses`` on a rollout at τ 0.6 / top-p 0.9: loss and LM-head gradient equal a
+    """``step.micro_losses`` on a rollout at τ 0.6 / top-p 0.9: loss and LM-head gradient equal a
     reference from plain forwards of the models and the numpy nucleus (teacher at temperature 1)."""
     import copy
 
-    from opdkit import opd
+    from opdkit import opd, step as opd_step
     from opdkit.config import Config, replace
     from opdkit.engines.hf import HFEngine
 
-    cfg = replace(Config(), f"loss.name={name}", "rollout.temperature=0.6", "rollout.top_p=0.9", "runtime.logprob_chunk=5")
+    cfg = replace(Config(), f"loss.name={name}", "rollout.temperature=0.6", "rollout.top_p=0.9",
+                  "runtime.logprob_chunk=5")
     student = copy.deepcopy(tiny_llama).train()
     torch.manual_seed(5)
     teacher = copy.deepcopy(tiny_llama).eval()
@@ -239,8 +240,8 @@ def test_the_training_step_differentiates_the_sampling_policy(tiny_llama, tok, n
     ro = HFEngine(student, tok).sample(prompts, samples_per_prompt=2, seeds=[1, 2, 3, 4], temperature=0.6, top_p=0.9,
                                        max_new_tokens=12)
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    ctx = opd.score_batch(cfg, teacher, batch, __import__("contextlib").nullcontext)
-    m = opd.micro_losses(cfg, student, batch, ctx, __import__("contextlib").nullcontext)
+    ctx = opd_step.score_batch(cfg, teacher, batch, __import__("contextlib").nullcontext)
+    m = opd_step.micro_losses(cfg, student, batch, ctx, __import__("contextlib").nullcontext)
     got_grad = student.lm_head.weight.grad.clone()
     student.zero_grad()
 

@@ -6,7 +6,7 @@ input (computed here by a plain HF forward of each unpadded sequence), and diffe
 import pytest
 import torch
 
-from opdkit import opd, trainer_state
+from opdkit import opd, step as opd_step, trainer_state
 from opdkit.config import Config, replace
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
@@ -44,14 +44,14 @@ def _teacher_scores(source, state):
                                                      temperature=1.0, top_p=1.0, max_new_tokens=16)
     priv = run.prompts(examples, privileged=True)
     t_ids, t_mask = left_pad(priv, run.tokenizer.pad_token_id)
-    ctx = opd.teacher_context(cfg, run.teacher, opd.Batch(ro, t_ids, t_mask), slice(None), run.teacher_ctx)
+    ctx = opd_step.teacher_context(cfg, run.teacher, opd.Batch(ro, t_ids, t_mask), slice(None), run.teacher_ctx)
     rows = []
     for b, p in enumerate(priv):  # (teacher score, the student's own, the frozen base's) per token
         n = int(ro.completion_mask_B_T[b].sum())
         comp = ro.completion_ids_B_T[b, :n].tolist()
         with run.student.disable_adapter():
             base = _own_logp(run.student, p, comp)
-        rows.append((ctx["logp_B_T"][b, :n], _own_logp(run.student, p, comp), base))
+        rows.append((ctx.logp_B_T[b, :n], _own_logp(run.student, p, comp), base))
     return run, rows
 
 
@@ -60,12 +60,12 @@ def test_live_teacher_is_the_current_student_with_adapters(trained_state):
     live_run, live = _teacher_scores("privileged_live", trained_state)
     lora_B = [p for n, p in live_run.student.named_parameters() if "lora_B" in n]
     assert lora_B and max(float(p.detach().abs().max()) for p in lora_B) > 1e-3  # the updates moved the adapters
-    for teacher_N, own_N, base_N in live:
+    for teacher_N, own_N, _ in live:
         assert torch.allclose(teacher_N, own_N, atol=1e-5), (teacher_N - own_N).abs().max()
     # the adapters change the scores: live != the frozen base
     assert max(float((own_N - base_N).abs().max()) for _, own_N, base_N in live) > 1e-2
 
     _, fixed = _teacher_scores("privileged_fixed", trained_state)
-    for (live_N, _, _), (fixed_N, _, base_N) in zip(live, fixed):
+    for (_, _, _), (fixed_N, _, base_N) in zip(live, fixed):
         assert torch.allclose(fixed_N, base_N, atol=1e-5)  # fixed: the frozen base (the initial student)
     assert max(float((live_N - fixed_N).abs().max()) for (live_N, _, _), (fixed_N, _, _) in zip(live, fixed)) > 1e-2

@@ -21,8 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from opdkit import fsutil, publish
 from opdkit.checkpoints import (
@@ -33,7 +39,7 @@ from opdkit.checkpoints import (
     validate_checkpoint,
 )
 from opdkit.fsutil import LockHeld, OutputLock, atomic_write_json, retry_io
-from opdkit.publish import PublishError, Publisher, export_checkpoint
+from opdkit.publish import Publisher, PublishError, export_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = dict(retries=3, backoff_s=0.001)

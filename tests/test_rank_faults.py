@@ -34,7 +34,7 @@ FAULTS = {
     "stall": """
         import torch
         import torch.distributed as dist
-        import opdkit.opd as o
+        import opdkit.step as o
 
         real = o.micro_losses
 
@@ -143,7 +143,8 @@ def test_a_rank_that_never_joins_ends_the_run_at_the_collective_timeout_naming_t
     assert "runtime.collective_timeout_s=5 bounds the wait" in r.stderr
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["step"], run["collective_failure"]) == ("failed", 1, "update")
-    assert list_checkpoints(out / "checkpoints") == [] and trainer_state.peek(out) is None  # nothing of the stuck step saved
+    # nothing of the stuck step saved
+    assert list_checkpoints(out / "checkpoints") == [] and trainer_state.peek(out) is None
     print(f"stuck rank: the run ended after {took:.0f}s (5 s timeout)")
 
 
@@ -195,7 +196,8 @@ def test_sigterm_to_run_sh_with_two_ranks_stops_them_after_the_step_with_their_s
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     rows = [json.loads(ln)["step"] for ln in (out / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert rows == list(range(1, run["step"] + 1)) and trainer_state.peek(out)["step"] == run["step"]  # the step in flight saved
+    # the step in flight saved
+    assert rows == list(range(1, run["step"] + 1)) and trainer_state.peek(out)["step"] == run["step"]
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == [f"checkpoint-{run['step']}"]
 
 
@@ -222,7 +224,8 @@ def test_sigkill_of_every_rank_while_the_state_is_written_then_a_rerun_ends_bit_
         workers = two_workers(proc)
         state_dir = out / "state"
         # the step-2 state is being written: rank 1 is slow, in the middle of its tensors
-        wait_for(lambda: state_dir.is_dir() and any(p.name.startswith(".tmp-trainer_state-2-") for p in state_dir.iterdir()),
+        wait_for(lambda: state_dir.is_dir()
+                 and any(p.name.startswith(".tmp-trainer_state-2-") for p in state_dir.iterdir()),
                  proc, 240, "the step-2 state write")
         time.sleep(0.5)
         for pid in [proc.pid, *workers]:

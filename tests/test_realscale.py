@@ -54,8 +54,9 @@ def k1_run(fx, tmp_path_factory):
     out = tmp_path_factory.mktemp("k1") / "out"
     proc = subprocess.run(["bash", str(REPO / "run.sh"), *TINY, "loss.name=k1", "budget.max_steps=2",
                            "publish.every_steps=2"], cwd=out.parent, text=True, capture_output=True, timeout=600,
-                          env=env(OUTPUT_DIR=str(out), STUDENT_MODEL=str(fx / "student"), TEACHER_MODEL=str(fx / "teacher"),
-                                  TRAIN_DATA=str(fx / "data" / "train.parquet"), PYTHON="python3"))
+                          env=env(OUTPUT_DIR=str(out), STUDENT_MODEL=str(fx / "student"),
+                                  TEACHER_MODEL=str(fx / "teacher"), TRAIN_DATA=str(fx / "data" / "train.parquet"),
+                                  PYTHON="python3"))
     return proc, out
 
 
@@ -136,7 +137,8 @@ STUDY = ["studies.n_prompts=2", "studies.samples_per_prompt=1", "rollout.max_new
 
 
 def test_padding_study_on_the_pair(fx, tmp_path):
-    assert _cli("study", "padding", "--out", str(tmp_path), overrides=[*_pair(fx), *STUDY, "studies.padding_k=[0, 4]"]) == 0
+    overrides = [*_pair(fx), *STUDY, "studies.padding_k=[0, 4]"]
+    assert _cli("study", "padding", "--out", str(tmp_path), overrides=overrides) == 0
     res = json.loads((tmp_path / "padding.json").read_text())
     assert res["alignment"]["passed"] is True and res["k"] == [0, 4]
     assert all(abs(v) < 1e-4 for v in res["kl_left"])  # left padding leaves the scores alone, at V = 151,665 too
@@ -177,7 +179,7 @@ def _without_padding_rows(model, n: int):
 def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_padding_rows(fx):
     from dataclasses import replace
 
-    from opdkit import opd
+    from opdkit import opd, step as opd_step
     from opdkit.config import load_config
     from opdkit.data import encode_prompt, load_examples
     from opdkit.models import load_model, load_tokenizer
@@ -189,8 +191,8 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
     student = load_model(fx / "student", cpu, torch.float32, "student model", trainable=True)
     teacher = load_model(fx / "teacher", cpu, torch.float32, "teacher model")
     logged = []
-    assert use_shared_vocab(tok, {"student model": (fx / "student", student), "teacher model": (fx / "teacher", teacher)},
-                            log=logged.append) == N_IDS and "padding rows" in logged[0]
+    models = {"student model": (fx / "student", student), "teacher model": (fx / "teacher", teacher)}
+    assert use_shared_vocab(tok, models, log=logged.append) == N_IDS and "padding rows" in logged[0]
     student_cut, teacher_cut = _without_padding_rows(student, N_IDS), _without_padding_rows(teacher, N_IDS)
 
     data = load_config(None, ["data.chat_template=true"]).data
@@ -201,8 +203,8 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
     with torch.no_grad():  # sampling-time log-probs, from the model without padding rows
         h_B_T_H = completion_hidden(student_cut, opd.student_geometry(batch))
-        batch = opd.Batch(replace(ro, sampling_logp_B_T=token_logprobs(student_cut.lm_head, h_B_T_H, ro.completion_ids_B_T, 8)
-                                  * ro.completion_mask_B_T), ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
+        logp_B_T = token_logprobs(student_cut.lm_head, h_B_T_H, ro.completion_ids_B_T, 8) * ro.completion_mask_B_T
+        batch = opd.Batch(replace(ro, sampling_logp_B_T=logp_B_T), ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
         # the teeth: the teacher's padding rows hold mass, so scoring over all 152,064 rows differs
         t_h = completion_hidden(teacher, opd.teacher_geometry(batch))
         all_rows = token_logprobs(teacher.lm_head, t_h, ro.completion_ids_B_T, 8)
@@ -229,8 +231,8 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
         results = []
         for s_model, t_model in ((student, teacher), (student_cut, teacher_cut)):
             s_model.zero_grad(set_to_none=True)
-            contexts = opd.score_batch(cfg, t_model, batch, contextlib.nullcontext)
-            m = opd.micro_losses(cfg, s_model, batch, contexts, contextlib.nullcontext)
+            contexts = opd_step.score_batch(cfg, t_model, batch, contextlib.nullcontext)
+            m = opd_step.micro_losses(cfg, s_model, batch, contexts, contextlib.nullcontext)
             grads = dict(s_model.named_parameters())
             results.append((m, {k: grads[k].grad.clone() for k in probe}, grads["lm_head.weight"].grad.clone()))
         (m_a, g_a, head_a), (m_b, g_b, head_b) = results
@@ -259,7 +261,8 @@ def test_a_sampled_padding_id_fails_loudly_at_scoring():
     _, head = unwrap(model)
     h_B_T_H = torch.randn(1, 3, 16)
     logp_B_T = token_logprobs(head, h_B_T_H, torch.tensor([[1, 39, 7]]), chunk=2)
-    ref_B_T = (h_B_T_H @ model.lm_head.weight[:40].T).log_softmax(-1).gather(-1, torch.tensor([[[1], [39], [7]]]))[..., 0]
+    ids_B_T_1 = torch.tensor([[[1], [39], [7]]])
+    ref_B_T = (h_B_T_H @ model.lm_head.weight[:40].T).log_softmax(-1).gather(-1, ids_B_T_1)[..., 0]
     torch.testing.assert_close(logp_B_T, ref_B_T.detach())
     with pytest.raises(ValueError, match="token id 45 is outside the 40 ids scored"):
         token_logprobs(head, h_B_T_H, torch.tensor([[1, 45, 7]]), chunk=2)

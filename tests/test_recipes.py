@@ -57,8 +57,9 @@ OPSD_RELEASED = {
 OPSD_COSINE = {**OPSD_RELEASED, "optim.schedule": "cosine", "optim.lr": 5e-6, "optim.min_lr": 0.0}
 # seed 003: answers matching -?\d{1,6} with a reference trace of >= 2,000 tokens; learning_rate=1e-5,
 # lr_scheduler_type=linear (to 0 over the 100 steps)
-OPSD_SELECT_LINEAR = {**OPSD_RELEASED, "data.filters.answer_regex": r"-?\d{1,6}", "data.filters.min_reference_tokens": 2000,
-                      "optim.schedule": "linear", "optim.lr": 1e-5, "optim.min_lr": 0.0}
+OPSD_SELECT_LINEAR = {**OPSD_RELEASED, "data.filters.answer_regex": r"-?\d{1,6}",
+                      "data.filters.min_reference_tokens": 2000, "optim.schedule": "linear", "optim.lr": 1e-5,
+                      "optim.min_lr": 0.0}
 
 SEEDED = {"s1": S1_BASELINE, "s1_cosine": S1_FORMAL, "opsd_released": OPSD_RELEASED, "opsd_cosine": OPSD_COSINE,
           "opsd_select_linear": OPSD_SELECT_LINEAR}
@@ -88,7 +89,8 @@ def test_the_s1_step_caps_do_not_bind_before_the_wall_budget():
     for name in ("s1", "s1_cosine"):
         cfg = load_config(None, ROOT / "recipes" / f"{name}.yaml")
         assert cfg.budget.max_steps * S1_SECONDS_PER_STEP > S1_WALL_S  # the wall clock ends the run
-        assert cfg.budget.max_wall_time_s == S1_WALL_S  # a 12-hour budget of its own (MAX_WALL_TIME_SECONDS replaces it)
+        # a 12-hour budget of its own (MAX_WALL_TIME_SECONDS replaces it)
+        assert cfg.budget.max_wall_time_s == S1_WALL_S
     # the wall-clock cosine runs down over the wall budget: from 1e-6 to 1e-7 when the loop stops
     from opdkit.schedules import lr_at
 
@@ -123,22 +125,22 @@ def test_the_released_objective_is_the_per_entry_clipped_forward_kl():
     import torch
     from scipy.special import rel_entr, softmax
 
-    from opdkit import loss_table, losses
-
+    from opdkit import loss_table
     from opdkit.engines.sampling import policy_logits
 
     cfg = load_config(None, ROOT / "recipes" / "opsd_released.yaml")
     spec = loss_table.spec(cfg.loss.name)
     T, tau = cfg.loss.teacher_temperature, cfg.loss.clip_tau
-    assert cfg.rollout.temperature == T and cfg.rollout.top_p == 1.0  # the student side: the sampled policy, untruncated
+    # the student side: the sampled policy, untruncated
+    assert cfg.rollout.temperature == T and cfg.rollout.top_p == 1.0
     g = torch.Generator().manual_seed(0)
     s_logits = (3 * torch.randn(2, 5, 40, generator=g, dtype=torch.float64)).requires_grad_(True)
     t_logits = s_logits.detach() + 2.5 * torch.randn(2, 5, 40, generator=g, dtype=torch.float64)
     mask = torch.ones(2, 5, dtype=torch.float64)
     mask[1, 3:] = 0
     t_logp = torch.log_softmax(t_logits, -1)  # the teacher's log-probs at temperature 1, as the kit scores them
-    policy = loss_table.update_policy(cfg.loss, cfg.rollout)  # what opd._chunk_loss hands the loss
-    loss, _ = getattr(losses, spec.fn)(policy_logits(s_logits, *policy), t_logp, mask, float(mask.sum()),
+    policy = loss_table.update_policy(cfg.loss, cfg.rollout)  # what step.chunk_loss hands the loss
+    loss, _ = spec.function(policy_logits(s_logits, *policy), t_logp, mask, float(mask.sum()),
                                        **spec.params(cfg.loss))
 
     p_S, p_T = softmax(s_logits.detach().numpy() / T, -1), softmax(t_logits.numpy() / T, -1)
@@ -157,7 +159,7 @@ def test_the_released_objective_is_the_per_entry_clipped_forward_kl():
     # less certain elsewhere (negative summands survive)
     s2 = torch.tensor([[[2.0, 2.0, 2.0, 2.0]]], dtype=torch.float64) * T
     t2 = torch.log_softmax(torch.tensor([[[6.0, 1.0, 1.0, 1.0]]], dtype=torch.float64) * T, -1)
-    neg, _ = getattr(losses, spec.fn)(policy_logits(s2, *policy), t2, torch.ones(1, 1, dtype=torch.float64), 1.0,
+    neg, _ = spec.function(policy_logits(s2, *policy), t2, torch.ones(1, 1, dtype=torch.float64), 1.0,
                                       **spec.params(cfg.loss))
     p_S2, p_T2 = softmax([2.0, 2.0, 2.0, 2.0]), softmax([6.0, 1.0, 1.0, 1.0])
     assert float(neg) == pytest.approx(float(np.minimum(rel_entr(p_T2, p_S2), tau).sum()), rel=1e-6) and float(neg) < 0
@@ -200,7 +202,8 @@ def test_cli_selects_a_recipe_with_one_option(tmp_path):
     ok = subprocess.run(base + ["-r", str(root / "recipes" / "s1.yaml"), "-S", "data.chat_template=false"],
                         capture_output=True, text=True, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run(base + ["-r", str(root / "recipes" / "nope.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    bad = subprocess.run(base + ["-r", str(root / "recipes" / "nope.yaml")], capture_output=True, text=True,
+                         cwd=tmp_path)
     assert bad.returncode == 2 and "nope.yaml does not exist" in bad.stderr
 
 

@@ -13,11 +13,20 @@ import pytest
 import torch
 
 from opdkit.cli import main
+from opdkit.config import ConfigError, load_config
 from opdkit.inspection import delta_colour, inspect_rollouts, summary, tokens_html
-from opdkit.config import load_config
-from opdkit.config import ConfigError
-from opdkit.report import (eval_paths, expand_runs, format_report, learning_curves, load_evals, per_question_correct,
-                           pipeline_arms, pipeline_matrix, report, train_dirs)
+from opdkit.report import (
+    eval_paths,
+    expand_runs,
+    format_report,
+    learning_curves,
+    load_evals,
+    per_question_correct,
+    pipeline_arms,
+    pipeline_matrix,
+    report,
+    train_dirs,
+)
 from opdkit.stats import compare_arms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +165,8 @@ NO_CONTROLS = "pipeline.controls=[]"
 def test_pipeline_matrix_and_run_patterns():
     cfg = load_config(None, ["loss.name=jsd", "pipeline.baseline_arm=rkl", "pipeline.seeds=[3, 1]", NO_CONTROLS])
     assert pipeline_matrix(cfg) == [("jsd", 3), ("jsd", 1), ("rkl", 3), ("rkl", 1)]
-    assert pipeline_matrix(load_config(None, ["pipeline.seeds=[0]", NO_CONTROLS])) == [("rkl", 0)]  # one arm when they agree
+    # one arm when they agree
+    assert pipeline_matrix(load_config(None, ["pipeline.seeds=[0]", NO_CONTROLS])) == [("rkl", 0)]
     got = expand_runs(["ref.json", "e/{arm}/seed{seed}.json", "t/{arm}"], cfg)
     assert got == [Path("ref.json"), *(Path(f"e/{a}/seed{s}.json") for a in ("jsd", "rkl") for s in (3, 1)),
                    Path("t/jsd"), Path("t/rkl")]  # a pattern without {seed}: once per arm
@@ -215,7 +225,8 @@ def test_training_seconds_come_from_the_checkpoints_and_a_wall_match_off_by_over
     from opdkit.report import CHECKPOINT_META, WALL_MATCH_TOL
 
     assert CHECKPOINT_META == MANIFEST and WALL_MATCH_TOL == 0.10
-    secs = {"rkl": [138.0, 140.0], "sft_teacher": [210.0, 212.0], "close": [150.0, 151.0], "sft_reference": [14.0, 15.0]}
+    secs = {"rkl": [138.0, 140.0], "sft_teacher": [210.0, 212.0], "close": [150.0, 151.0], "sft_reference": [14.0,
+                                                                                                             15.0]}
     match = {"sft_teacher": "wall", "close": "wall", "sft_reference": "steps", "rkl": "steps"}
     paths = []
     for arm, ss in secs.items():

@@ -234,8 +234,10 @@ def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(
 
     # the same command again (run.sh's own exit-0 check is exercised by the run.sh trial)
     again = (["bash", str(REPO / "run.sh"), *KILL_ARGS] if how == "run.sh" else
-             [sys.executable, "-m", "opdkit", "train", "--out", str(out), "--quiet", *[x for a in KILL_ARGS for x in ("-S", a)]])
-    rerun = subprocess.run(again, cwd=tmp_path, env=env(OUTPUT_DIR=str(out)), capture_output=True, text=True, timeout=300)
+             [sys.executable, "-m", "opdkit", "train", "--out", str(out), "--quiet",
+              *[x for a in KILL_ARGS for x in ("-S", a)]])
+    rerun = subprocess.run(again, cwd=tmp_path, env=env(OUTPUT_DIR=str(out)), capture_output=True, text=True,
+                           timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert ("resuming from" in rerun.stdout) == has_state
     assert [r["step"] for r in metric_rows(out)] == [1, 2, 3, 4, 5, 6]  # continued, no repeats, no gaps
@@ -277,7 +279,8 @@ def test_a_start_behind_a_newer_checkpoint_replays_the_steps_without_exporting_t
     assert [r["step"] for r in metric_rows(out)] == list(range(1, 9))
 
 
-def test_with_the_state_only_at_the_end_a_run_killed_before_it_starts_again_and_keeps_its_checkpoints(tmp_path, eight_steps):
+def test_with_the_state_only_at_the_end_a_run_killed_before_it_starts_again_and_keeps_its_checkpoints(tmp_path,
+                                                                                                      eight_steps):
     out = tmp_path / "out"
     run = ("budget.schedule_steps=8", "publish.every_steps=2", "publish.state_every_steps=0")
     first, logs = quiet_train(cfg("budget.max_steps=4", *run), out)
@@ -290,7 +293,8 @@ def test_with_the_state_only_at_the_end_a_run_killed_before_it_starts_again_and_
     assert_same_weights(out / "checkpoints" / "checkpoint-8", eight_steps / "checkpoints" / "checkpoint-8")
     run_json = json.loads((out / "run.json").read_text())
     assert run_json["run_id"] and run_json["final_checkpoint"] == "checkpoint-8"
-    assert json.loads((out / "checkpoints" / "checkpoint-8" / "opdkit.json").read_text())["run_id"] == run_json["run_id"]
+    meta = json.loads((out / "checkpoints" / "checkpoint-8" / "opdkit.json").read_text())
+    assert meta["run_id"] == run_json["run_id"]
 
 
 def test_a_start_whose_budget_is_spent_behind_a_newer_checkpoint_ends_at_once_naming_that_checkpoint(tmp_path):
@@ -299,6 +303,7 @@ def test_a_start_whose_budget_is_spent_behind_a_newer_checkpoint_ends_at_once_na
     quiet_train(cfg("budget.max_steps=6", *run), out)
     shutil.rmtree(out / "state" / "trainer_state-6")
     # the time the lost steps took is spent: this start stops before any step and publishes nothing older
-    result, logs = quiet_train(cfg("budget.max_steps=6", "budget.max_wall_time_s=1", "budget.deadline_reserve_s=0.99", *run), out)
+    result, logs = quiet_train(cfg("budget.max_steps=6", "budget.max_wall_time_s=1", "budget.deadline_reserve_s=0.99",
+                                   *run), out)
     assert (result.reason, result.step, result.final_checkpoint) == ("wall_clock", 4, "checkpoint-6")
     assert "published " not in logs and [c.name for c in list_checkpoints(out / "checkpoints")][-1] == "checkpoint-6"

@@ -181,7 +181,8 @@ def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_pat
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert re.search(r"opdkit: training stopped by SIGTERM at step \d+; surviving valid checkpoints: checkpoint-", stderr)
+    assert re.search(r"opdkit: training stopped by SIGTERM at step \d+; surviving valid checkpoints: "
+                     r"checkpoint-", stderr)
     assert "run.sh: training was killed by signal 15 (exit 143)" in stderr
     assert f"run.sh: surviving valid checkpoints in {out}/checkpoints: checkpoint-" in stderr
     ckpts = list_checkpoints(out / "checkpoints")
@@ -276,7 +277,8 @@ def test_run_sh_maps_the_opsd_switches_and_refuses_unknown_ones(tmp_path):
                         (dict(OPSD_PADSIDE="left"), "unknown OPSD switch OPSD_PADSIDE"),
                         (dict(OPSD_WAVG_LAST="5"), "tail weight averaging is not implemented")):
         proc, argv = _argv_of_run_sh(tmp_path, RECIPE=recipe, **bad)
-        assert proc.returncode == 2 and argv == [] and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and argv == [], proc.stderr
+        assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
 
 
 # --- the locks: CKPT_DIR's, and the GPU workload lock (shared by training, exclusive for evaluation) ------------
@@ -376,12 +378,13 @@ def test_without_output_dir_run_sh_writes_under_the_contracts_out_when_it_is_the
     contract.mkdir()
     proc, out = _out_of_run_sh(tmp_path, OPDKIT_CONTRACT_OUT=str(contract))
     assert out == str(contract)
-    assert f"run.sh: OUTPUT_DIR unset: writing to {contract} (the contract's layout: checkpoints in {contract}/checkpoints/)" \
-        in proc.stdout
+    assert (f"run.sh: OUTPUT_DIR unset: writing to {contract} (the contract's layout: checkpoints in "
+            f"{contract}/checkpoints/)") in proc.stdout
     missing = tmp_path / "no_such_dir"
     proc, out = _out_of_run_sh(tmp_path, OPDKIT_CONTRACT_OUT=str(missing))
     assert out == "out"
-    assert f"run.sh: OUTPUT_DIR unset and {missing} does not exist: writing to ./out (set OUTPUT_DIR to choose)" in proc.stdout
+    assert (f"run.sh: OUTPUT_DIR unset and {missing} does not exist: writing to ./out "
+            "(set OUTPUT_DIR to choose)") in proc.stdout
     proc, out = _out_of_run_sh(tmp_path, OPDKIT_CONTRACT_OUT=str(contract), OUTPUT_DIR=str(tmp_path / "mine"))
     assert out == str(tmp_path / "mine") and "OUTPUT_DIR unset" not in proc.stdout
 
@@ -412,7 +415,8 @@ def test_opdkit_eval_exits_75_naming_another_compute_process_on_its_gpu_and_igno
     assert proc.returncode == 75, proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
     assert line == ("opdkit: GPU 0 is in use by another compute process (pid 4242: /usr/bin/python3 -m "
-                    "vllm.entrypoints.openai.api_server); an evaluation starts once it has exited (nvidia-smi lists it)")
+                    "vllm.entrypoints.openai.api_server); an evaluation starts once it has exited "
+                    "(nvidia-smi lists it)")
     assert not (tmp_path / "eval.json").exists()
     # the process asking (the evaluation itself) and a process on another GPU do not count
     _fake_nvidia_smi(bin_dir, '"$PPID, python3, GPU-aaaa" "777, python3 train.py, GPU-bbbb"')

@@ -136,8 +136,8 @@ def test_an_sft_control_trains_the_same_whatever_the_keys_its_reuse_ignores(tmp_
 
     ctl = [*TINY, "budget.max_steps=2", "loss.name=sft", "loss.sft_source=teacher", "teacher.source=model"]
     other = ["teacher.ema_decay=0.5", "loss.clip_eps=0.3", "loss.dual_clip=0", "loss.topk=4", "loss.tail_bucket=false",
-             "loss.jsd_beta=0.9", "loss.clip=entry", "loss.clip_tau=0.5", "loss.reward_baseline=loo", "loss.reward_norm=std",
-             "rollout.offline_file=POOL", "rollout.offline_ratio=none"]
+             "loss.jsd_beta=0.9", "loss.clip=entry", "loss.clip_tau=0.5", "loss.reward_baseline=loo",
+             "loss.reward_norm=std", "rollout.offline_file=POOL", "rollout.offline_ratio=none"]
     assert {o.split("=")[0] for o in other} == set(CONTROL_IGNORES)
     for name, sets in (("base", ctl), ("other", ctl + other)):
         train(load_config(None, sets), tmp_path / name, log=lambda *a: None, progress=False)

@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from opdkit.stats import (clustered_accuracy, compare_arms, kl_bin_means, paired_question_diff,
-                          repeat_stats, summarize_runs)
+from opdkit.stats import (
+    clustered_accuracy,
+    compare_arms,
+    kl_bin_means,
+    paired_question_diff,
+    repeat_stats,
+    summarize_runs,
+)
 
 
 def test_clustered_accuracy_equal_sizes():

@@ -11,9 +11,19 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from opdkit import losses
 from opdkit.config import load_config
 from opdkit.engines.base import Rollout
-from opdkit.studies import (clipped_mass_stats, clipped_mass_study, entry_clip_stats, jsonable, kl_between,
-                            left_pad_geometry, padding_offsets, padding_study, reference_geometry,
-                            right_pad_geometry, token_kl)
+from opdkit.studies import (
+    clipped_mass_stats,
+    clipped_mass_study,
+    entry_clip_stats,
+    jsonable,
+    kl_between,
+    left_pad_geometry,
+    padding_offsets,
+    padding_study,
+    reference_geometry,
+    right_pad_geometry,
+    token_kl,
+)
 
 PAD = 0
 
@@ -220,7 +230,8 @@ def test_clipped_mass_stats_do_not_depend_on_chunking():
     s_logits, t_logp, mask_B_T = _clip_inputs()
     n = float(mask_B_T.sum())
     whole = clipped_mass_stats([(s_logits, t_logp, mask_B_T)], n, TAUS, BINS)
-    parts = clipped_mass_stats(((s_logits[i:i + 1], t_logp[i:i + 1], mask_B_T[i:i + 1]) for i in range(3)), n, TAUS, BINS)
+    rows = ((s_logits[i:i + 1], t_logp[i:i + 1], mask_B_T[i:i + 1]) for i in range(3))
+    parts = clipped_mass_stats(rows, n, TAUS, BINS)
     for key in ("clipped_mass", "argmax_clipped_rate", "grad_cosine", "grad_norm_ratio", "kl_mean", "kl_bin_counts"):
         assert parts[key] == pytest.approx(whole[key], abs=1e-6), key
     for key in ("clipped_frac", "grad_cosine"):

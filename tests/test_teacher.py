@@ -4,8 +4,16 @@ import torch
 from opdkit import losses
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
-from opdkit.teacher import (AlignmentError, build_geometry, check_alignment, completion_hidden, full_logprobs,
-                            token_logprobs, topk_logprobs, unwrap)
+from opdkit.teacher import (
+    AlignmentError,
+    build_geometry,
+    check_alignment,
+    completion_hidden,
+    full_logprobs,
+    token_logprobs,
+    topk_logprobs,
+    unwrap,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +45,10 @@ def test_teacher_equal_student_gives_zero_advantage_whatever_the_padding(tiny_ll
     g = build_geometry(ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp, ro.completion_ids_B_T, ro.completion_mask_B_T)
     extra = 5
     pad = torch.full((ro.prompt_ids_B_Sp.shape[0], extra), tok.pad_token_id)
-    g_pad = build_geometry(torch.cat([pad, ro.prompt_ids_B_Sp], 1), torch.cat([torch.zeros_like(pad), ro.prompt_mask_B_Sp], 1),
-                           ro.completion_ids_B_T, ro.completion_mask_B_T)
-    with torch.no_grad():  # the sampled tokens' log-probs, as the teacher scores them (opd.teacher_context)
+    g_pad = build_geometry(torch.cat([pad, ro.prompt_ids_B_Sp], 1),
+                           torch.cat([torch.zeros_like(pad), ro.prompt_mask_B_Sp], 1), ro.completion_ids_B_T,
+                           ro.completion_mask_B_T)
+    with torch.no_grad():  # the sampled tokens' log-probs, as the teacher scores them (step.teacher_context)
         s, t = (token_logprobs(unwrap(tiny_llama)[1], completion_hidden(tiny_llama, geom), ro.completion_ids_B_T, 8)
                 for geom in (g, g_pad))
     m = ro.completion_mask_B_T
@@ -71,7 +80,8 @@ def test_unpadded_rows_match_each_sequence_alone_and_run_attention_without_a_mas
     reference (the row's real tokens alone through the full model, default positions) and the
     batched padded call; attention gets no mask (causal kernels). Completions of unequal length."""
     p_ids, p_mask = left_pad([tok("Compute 47+5-29.").input_ids, tok("Compute 3+4.").input_ids], tok.pad_token_id)
-    c_ids = torch.tensor([[5, 6, 7, 8, tok.eos_token_id], [9, 10, tok.eos_token_id, tok.pad_token_id, tok.pad_token_id]])
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    c_ids = torch.tensor([[5, 6, 7, 8, eos], [9, 10, eos, pad, pad]])
     c_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     g = build_geometry(p_ids, p_mask, c_ids, c_mask)
     _, head = unwrap(tiny_llama)
@@ -105,7 +115,7 @@ def test_unpadded_rows_give_the_batched_gradients(tiny_llama, tok, rollout, loss
     import contextlib
     import copy
 
-    from opdkit import opd
+    from opdkit import opd, step as opd_step
     from opdkit.config import load_config
 
     teacher = copy.deepcopy(tiny_llama)
@@ -118,8 +128,8 @@ def test_unpadded_rows_give_the_batched_gradients(tiny_llama, tok, rollout, loss
         cfg = load_config(None, [f"loss.name={loss}", f"runtime.unpadded_rows={str(unpadded).lower()}",
                                  "runtime.logprob_chunk=4", "optim.micro_batch=3"])
         student = copy.deepcopy(tiny_llama).train()
-        ctx = opd.score_batch(cfg, teacher, batch, contextlib.nullcontext)
-        metrics.append(opd.micro_losses(cfg, student, batch, ctx, contextlib.nullcontext))
+        ctx = opd_step.score_batch(cfg, teacher, batch, contextlib.nullcontext)
+        metrics.append(opd_step.micro_losses(cfg, student, batch, ctx, contextlib.nullcontext))
         grads.append(torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]))
     assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-6 and abs(metrics[0]["kl"] - metrics[1]["kl"]) < 1e-6
     assert grads[0].abs().max() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)

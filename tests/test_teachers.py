@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdkit import opd, teachers
+from opdkit import opd, step as opd_step, teachers
 from opdkit.cli import main as opdkit_main
 from opdkit.config import Config, load_config, replace
 from opdkit.data import encode_prompt, load_examples, read_table
@@ -102,23 +102,24 @@ def test_rows_are_scored_by_the_teacher_they_name(fx, fx2, models, loss):
     cfg = load_config(None, [*common, *_teachers(fx, fx2), "optim.micro_batch=3"])
     one = load_config(None, common)
     nc = contextlib.nullcontext
-    routed = opd.score_batch(cfg, teachers.TeacherSet(("a", "b"), [a, b]), batch, nc)
-    alone = {name: opd.score_batch(one, t, batch, nc)[0] for name, t in (("a", a), ("b", b))}  # every row, one call
-    got = torch.cat([c["logp_B_T"] for c in routed])
+    routed = opd_step.score_batch(cfg, teachers.TeacherSet(("a", "b"), [a, b]), batch, nc)
+    # every row, one call
+    alone = {name: opd_step.score_batch(one, t, batch, nc)[0] for name, t in (("a", a), ("b", b))}
+    got = torch.cat([c.logp_B_T for c in routed])
     for name, rows in (("a", [0, 3]), ("b", [1, 2])):
-        torch.testing.assert_close(got[rows], alone[name]["logp_B_T"][rows], rtol=0, atol=1e-5)
-        assert (got[rows] - alone["b" if name == "a" else "a"]["logp_B_T"][rows]).abs().max() > 1e-2  # the teachers differ
+        torch.testing.assert_close(got[rows], alone[name].logp_B_T[rows], rtol=0, atol=1e-5)
+        assert (got[rows] - alone["b" if name == "a" else "a"].logp_B_T[rows]).abs().max() > 1e-2  # the teachers differ
     if loss == "topk_fkl":
-        ids = torch.cat([c["topk_ids_B_T_K"] for c in routed])
-        assert torch.equal(ids[[0, 3]], alone["a"]["topk_ids_B_T_K"][[0, 3]])
+        ids = torch.cat([c.topk_ids_B_T_K for c in routed])
+        assert torch.equal(ids[[0, 3]], alone["a"].topk_ids_B_T_K[[0, 3]])
 
     n = float(batch.rollout.completion_mask_B_T.sum())
-    m = teachers.finish_metrics(opd.micro_losses(cfg, student, batch, routed, nc), ("a", "b"))
+    m = teachers.finish_metrics(opd_step.micro_losses(cfg, student, batch, routed, nc), ("a", "b"))
     g_routed = _grads(student)
     g_ref, per = {}, {}
     for name, t, rows in (("a", a, [0, 3]), ("b", b, [1, 2])):
         sub = _rows(batch, rows)
-        per[name] = opd.micro_losses(one, student, sub, opd.score_batch(one, t, sub, nc), nc, n_tokens=n)
+        per[name] = opd_step.micro_losses(one, student, sub, opd_step.score_batch(one, t, sub, nc), nc, n_tokens=n)
         for k, g in _grads(student).items():
             g_ref[k] = g_ref.get(k, 0) + g
     for k in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
@@ -235,21 +236,22 @@ def test_a_teacher_elsewhere_scores_the_full_vocabulary_with_a_copy_of_its_head(
     batch.teacher_B = None  # one teacher
     cfg = load_config(None, ["loss.name=rkl", "runtime.logprob_chunk=4"])
     nc = contextlib.nullcontext
-    here = opd.score_batch(cfg, a, batch, nc)
-    m_here = opd.micro_losses(cfg, student, batch, here, nc)
+    here = opd_step.score_batch(cfg, a, batch, nc)
+    m_here = opd_step.micro_losses(cfg, student, batch, here, nc)
     g_here = _grads(student)
     monkeypatch.setattr(teachers, "device_of", lambda t: torch.device("meta"))  # "elsewhere": to_device copies the head
     moved = [teachers.to_device(c, a, CPU) for c in here]
-    assert moved[0]["head"] is not unwrap(a)[1] and moved[0]["head"].weight.shape[0] == len(tok)
-    m_moved = opd.micro_losses(cfg, student, batch, moved, nc)
+    assert moved[0].head is not unwrap(a)[1] and moved[0].head.weight.shape[0] == len(tok)
+    m_moved = opd_step.micro_losses(cfg, student, batch, moved, nc)
     g_moved = _grads(student)
-    assert m_moved["loss"] == pytest.approx(m_here["loss"], rel=1e-6) and m_moved["kl"] == pytest.approx(m_here["kl"], rel=1e-6)
+    assert m_moved["loss"] == pytest.approx(m_here["loss"], rel=1e-6)
+    assert m_moved["kl"] == pytest.approx(m_here["kl"], rel=1e-6)
     for k in g_here:
         torch.testing.assert_close(g_moved[k], g_here[k], rtol=1e-5, atol=1e-8, msg=k)
     with torch.no_grad():  # the copy is the restricted head: padding rows cut, the same logits on the tokenizer's ids
         h = completion_hidden(a, opd.teacher_geometry(batch))
         ids = batch.rollout.completion_ids_B_T
-        torch.testing.assert_close(token_logprobs(moved[0]["head"], h, ids, 4), token_logprobs(unwrap(a)[1], h, ids, 4))
+        torch.testing.assert_close(token_logprobs(moved[0].head, h, ids, 4), token_logprobs(unwrap(a)[1], h, ids, 4))
 
 
 @pytest.mark.gpu
@@ -262,5 +264,6 @@ def test_a_teacher_on_the_cpu_beside_a_student_on_the_gpu(tmp_path):
     for name, setting in (("gpu", ""), ("cpu", "cpu")):
         train(replace(Config(), *EMB, "loss.name=rkl", f"teacher.device={setting}", "runtime.device=cuda"),
               tmp_path / name, log=lambda *a: None, progress=False)
-        losses_[name] = [json.loads(ln)["loss"] for ln in (tmp_path / name / "metrics" / "train.jsonl").read_text().splitlines()]
+        rows = (tmp_path / name / "metrics" / "train.jsonl").read_text().splitlines()
+        losses_[name] = [json.loads(ln)["loss"] for ln in rows]
     assert losses_["cpu"] == pytest.approx(losses_["gpu"], rel=0.05)

@@ -23,8 +23,9 @@ PARAMS = {"seed": 0, "loss": {"name": "rkl", "clip_tau": 0.05}, "lora": {"target
 
 def rows(steps, shift: float = 0.0) -> list[dict]:
     """train.jsonl-shaped rows: floats, an int, a null (a metric this step lacks), a dict and a list."""
-    return [{"step": s, "loss": 1.0 / s + shift, "lr": 1e-4 * s, "tokens": 10 * s, "kl": None if s == 2 else 0.5 + shift,
-             "alignment": {"rows": 4}, "skipped_nonfinite": ["loss"]} for s in steps]
+    return [{"step": s, "loss": 1.0 / s + shift, "lr": 1e-4 * s, "tokens": 10 * s,
+             "kl": None if s == 2 else 0.5 + shift, "alignment": {"rows": 4}, "skipped_nonfinite": ["loss"]}
+            for s in steps]
 
 
 def write_jsonl(path: Path, rs: list[dict]) -> Path:

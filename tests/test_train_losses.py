@@ -12,14 +12,14 @@ from opdkit.loss_table import LOSS_NAMES
 from opdkit.train import train
 
 TINY = ("rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=40",
-        "budget.max_steps=3", "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=0", "optim.warmup_steps=1",
-        "runtime.threads=1")
+        "budget.max_steps=3", "budget.max_wall_time_s=0", "optim.schedule=cosine", "publish.every_steps=0",
+        "optim.warmup_steps=1", "runtime.threads=1")
 
 
 def _run(tmp_path, *overrides):
     cfg = replace(Config(), *TINY, *overrides)
     res = train(cfg, tmp_path, log=lambda *a: None, progress=False)
-    rows = [json.loads(l) for l in (tmp_path / "metrics" / "train.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "metrics" / "train.jsonl").read_text().splitlines()]
     return res, rows
 
 
@@ -58,8 +58,9 @@ def test_lora_exports_a_merged_plain_model(tmp_path):
 
 
 def test_zero_lr_leaves_the_student_unchanged(tmp_path):
-    from opdkit import paths
     from safetensors.torch import load_file
+
+    from opdkit import paths
 
     _run(tmp_path, "loss.name=k1", "optim.lr=0", "optim.schedule=constant")
     before = load_file(paths.student_path(Config()) / "model.safetensors")

@@ -135,7 +135,8 @@ def test_a_read_only_file_system_is_not_retried_and_the_previous_state_stays(tmp
     with pytest.raises(StorageError, match=r"state is on a read-only file system: the trainer state at step 2 needs"):
         trainer_state.save(tmp_path, live, step=2, elapsed=1.0, data_pos=8, log=lambda *_: None)
     assert len(calls) == 1  # not retried
-    assert [p.name for p in (tmp_path / "state").iterdir()] == ["trainer_state-1"] and trainer_state.peek(tmp_path)["step"] == 1
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["trainer_state-1"]
+    assert trainer_state.peek(tmp_path)["step"] == 1
 
 
 def test_a_second_save_of_one_step_gets_a_new_name_and_is_the_one_resumed(tmp_path):
@@ -241,8 +242,9 @@ def test_a_state_of_the_previous_version_torch_distributed_checkpoint_is_still_r
     path = tmp_path / "state" / "trainer_state-1"
     with trainer_state._single_process_quiet():  # what the previous version wrote: DCP + meta.pt of format 2
         dcp.save(trainer_state._state_dicts(live), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
-    torch.save({"format": 2, "step": 1, "elapsed_s": 2.0, "data_pos": 4, "lr_clock_start_s": 1.5, "rng": torch.get_rng_state(),
-                "rng_cuda": None, "config": {}, "data_fingerprint": live.inputs.data_fingerprint}, path / "meta.pt")
+    torch.save({"format": 2, "step": 1, "elapsed_s": 2.0, "data_pos": 4, "lr_clock_start_s": 1.5,
+                "rng": torch.get_rng_state(), "rng_cuda": None, "config": {},
+                "data_fingerprint": live.inputs.data_fingerprint}, path / "meta.pt")
     resumed = _run()
     trainer_state.restore(resumed, trainer_state.peek(tmp_path))
     _assert_same(live, resumed)

@@ -89,7 +89,8 @@ def test_a_mismatched_vllm_output_is_refused():
         to_rollout([good], [[6]], 1, PAD, [EOS])
     with pytest.raises(ValueError, match="2 samples"):
         to_rollout([good], [[5], [5]], 2, PAD, [EOS])
-    two = RequestOutput("0", None, [5], None, [completion(0, [EOS], [-0.1], "stop"), completion(1, [EOS], [-0.1], "stop")])
+    two = RequestOutput("0", None, [5], None, [completion(0, [EOS], [-0.1], "stop"), completion(1, [EOS], [-0.1],
+                                                                                                "stop")])
     with pytest.raises(ValueError, match="expected 1"):
         to_rollout([two], [[5]], 1, PAD, [EOS])
     no_lp = RequestOutput("0", None, [5], None, [CompletionOutput(0, "", [EOS], None, None, "stop")])
@@ -147,7 +148,8 @@ def test_llm_kwargs_cut_the_padding_rows_and_record_the_sampled_policy(fx):
     model = load_model(fx / "student", torch.device("cpu"))
     n_vocab = sampling_vocab(model, tok)
     assert (n_vocab, model.get_output_embeddings().weight.shape[0]) == (151665, 151936)
-    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=7168",
+    cfg = load_config(None, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+                             "rollout.max_new_tokens=7168",
                              "rollout.max_prompt_tokens=1024"])
     kw = llm_kwargs(cfg, str(fx / "student"), n_vocab, world_size=1)
     assert kw["hf_overrides"] == {"vocab_size": 151665} and kw["logprobs_mode"] == "processed_logprobs"
@@ -210,7 +212,8 @@ def test_the_weights_pushed_into_vllm_are_the_exported_ones(tiny_llama):
 
     from opdkit.setup import export_state_dict
 
-    model = get_peft_model(copy.deepcopy(tiny_llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(copy.deepcopy(tiny_llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
+                                                                                                    "v_proj"]))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -293,7 +296,8 @@ def test_vllm_samples_the_live_student(qwen2_dir):
     from opdkit.teacher import completion_hidden, restrict_vocab, token_logprobs, unwrap
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = load_config(None, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2", "rollout.max_prompt_tokens=64"])
+    cfg = load_config(None, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2",
+                             "rollout.max_prompt_tokens=64"])
     tok = load_tokenizer(qwen2_dir)
     model = load_model(qwen2_dir, device, trainable=True)
     torch.manual_seed(123)

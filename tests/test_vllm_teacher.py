@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdkit import opd
+from fake_vllm_server import FakeVLLMServer
+from opdkit import opd, step as opd_step
 from opdkit.cli import main as opdkit_main
 from opdkit.config import load_config
 from opdkit.engines import vllm_teacher as vt
 from opdkit.models import load_model, load_tokenizer
 from opdkit.pairs import use_shared_vocab
-from fake_vllm_server import FakeVLLMServer
 from qwen2_fixture import fixture_dir
 
 CPU = torch.device("cpu")
@@ -75,7 +75,8 @@ def test_vocab_cut_keeps_the_tokenizers_ids_only(fx, cut):
     assert json.loads((cut / "config.json").read_text())["vocab_size"] == N_IDS
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert src[name].shape[0] == 152064 and torch.equal(dst[name], src[name][:N_IDS])
-    assert all(torch.equal(dst[k], v) for k, v in src.items() if k not in ("model.embed_tokens.weight", "lm_head.weight"))
+    cut_rows = ("model.embed_tokens.weight", "lm_head.weight")
+    assert all(torch.equal(dst[k], v) for k, v in src.items() if k not in cut_rows)
     assert (cut / "tokenizer.json").is_file() and (cut / "generation_config.json").is_file()
     assert opdkit_main(["vocab-cut", "--model", str(fx / "teacher"), "--out", str(cut)]) == 2  # never overwrites
 
@@ -90,16 +91,16 @@ def test_the_server_teacher_scores_as_the_hf_teacher(fx, cut, hf, loss):
     cfg = load_config(None, [f"loss.name={loss}", "loss.topk=8", "teacher.source=vllm"])
     with FakeVLLMServer(served, str(cut)) as server:
         client = vt.ServerTeacher(server.url, cut, N_IDS, 30.0, log=lambda *a: None)
-        got = opd.score_batch(replace_micro(cfg, 4), client, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(replace_micro(cfg, 4), client, batch, contextlib.nullcontext)
     assert len(server.requests) == 1 and server.requests[0]["prompt_logprobs"] == (8 if loss == "topk_fkl" else 0)
-    want = opd.score_batch(replace_micro(cfg, 4), teacher, batch, contextlib.nullcontext)
+    want = opd_step.score_batch(replace_micro(cfg, 4), teacher, batch, contextlib.nullcontext)
     m = batch.rollout.completion_mask_B_T.bool()
     for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
         mm = m[rows]
-        torch.testing.assert_close(g["logp_B_T"][mm], w["logp_B_T"][mm], rtol=0, atol=2e-5)
+        torch.testing.assert_close(g.logp_B_T[mm], w.logp_B_T[mm], rtol=0, atol=2e-5)
         if loss == "topk_fkl":
-            assert torch.equal(g["topk_ids_B_T_K"][mm], w["topk_ids_B_T_K"][mm])
-            torch.testing.assert_close(g["topk_logp_B_T_K"][mm], w["topk_logp_B_T_K"][mm], rtol=0, atol=2e-5)
+            assert torch.equal(g.topk_ids_B_T_K[mm], w.topk_ids_B_T_K[mm])
+            torch.testing.assert_close(g.topk_logp_B_T_K[mm], w.topk_logp_B_T_K[mm], rtol=0, atol=2e-5)
 
 
 def replace_micro(cfg, n: int):
@@ -130,7 +131,8 @@ def test_training_with_the_server_teacher_is_training_with_the_hf_teacher(fx, cu
             for k in ("vllm", "hf")}
     for a, b in zip(rows["vllm"], rows["hf"]):
         assert a["tokens"] == b["tokens"]
-        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-5) and a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-4, abs=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode, needle", [("error", "HTTP 400: Requested prompt logprobs of 16"),
@@ -156,13 +158,13 @@ def test_a_failing_server_stops_the_step_loudly(fx, cut, hf, tmp_path, capsys, m
 def test_what_a_vllm_teacher_cannot_serve_is_refused_in_one_line(fx, cut, tmp_path, capsys):
     for extra, needle in ((["loss.name=rkl", f"teacher.path={cut}"], "needs the teacher's full distribution"),
                           (["loss.name=k1", f"teacher.path={fx / 'teacher'}"], "opdkit vocab-cut --model"),
-                          (["loss.name=k1", f"teacher.path={cut}", "teacher.url=localhost:8000"], "expected the base URL"),
-                          (["loss.name=k1", f"teacher.path={cut}", "data.pad_side=right", "runtime.unpadded_rows=false"],
-                           "scores each row unpadded")):
-        rc = _cli("train", "--out", str(tmp_path / "x"), overrides=[f"student.path={fx / 'student'}",
-                                                                      f"data.train={fx / 'data' / 'train.parquet'}",
-                                                                      *TINY, "budget.max_steps=1", "teacher.source=vllm",
-                                                                      "teacher.url=http://127.0.0.1:9", *extra])
+                          (["loss.name=k1", f"teacher.path={cut}", "teacher.url=localhost:8000"],
+                           "expected the base URL"),
+                          (["loss.name=k1", f"teacher.path={cut}", "data.pad_side=right",
+                            "runtime.unpadded_rows=false"], "scores each row unpadded")):
+        overrides = [f"student.path={fx / 'student'}", f"data.train={fx / 'data' / 'train.parquet'}", *TINY,
+                     "budget.max_steps=1", "teacher.source=vllm", "teacher.url=http://127.0.0.1:9", *extra]
+        rc = _cli("train", "--out", str(tmp_path / "x"), overrides=overrides)
         err = capsys.readouterr().err.strip()
         assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "x").exists()
@@ -179,7 +181,8 @@ def test_parse_scores_checks_what_the_server_answered():
                                  "past the tokenizer's 100 ids")):
         with pytest.raises(vt.VLLMTeacherError, match=needle):
             vt.parse_scores(bad, sent, echoed, 2, 2, 0, 100, "row")
-    logp, ids, lps = vt.parse_scores(good, sent, None, 2, 1, 2, 100, "row")  # top-2 by log-prob, the sampled one included
+    # top-2 by log-prob, the sampled one included
+    logp, ids, lps = vt.parse_scores(good, sent, None, 2, 1, 2, 100, "row")
     assert logp == [-1.0] and ids == [[9, 7]] and lps == [[-0.2, -1.0]]
 
 
@@ -194,9 +197,11 @@ def test_the_colocated_engine_process_is_started_by_spawn(monkeypatch):
 
     class FakeLLM:
         def __init__(self, **kw):
-            seen.update({k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")})
+            keys = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")
+            seen.update({k: os.environ.get(k) for k in keys})
 
-    monkeypatch.setattr(vt.vllm_engine, "_require_vllm", lambda *a: types.SimpleNamespace(LLM=FakeLLM, SamplingParams=None))
+    monkeypatch.setattr(vt.vllm_engine, "_require_vllm",
+                        lambda *a: types.SimpleNamespace(LLM=FakeLLM, SamplingParams=None))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the student's in-process engine's setting
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     vt.EngineTeacher(load_config(None, ["teacher.source=vllm", "loss.name=k1"]), Path("teacher"), N_IDS, CPU)
@@ -257,18 +262,18 @@ def test_the_colocated_vllm_teacher_agrees_with_the_hf_teacher(small_pair):
                                   batch.rollout.completion_ids_B_T, 64)
     for loss in ("k1", "topk_fkl"):
         cfg = load_config(None, [*base, f"loss.name={loss}"])
-        got = opd.score_batch(cfg, engine, batch, contextlib.nullcontext)[0]
-        want = opd.score_batch(cfg, teacher, batch, contextlib.nullcontext)[0]
-        d = (got["logp_B_T"].cpu() - want["logp_B_T"])[m].abs()
+        got = opd_step.score_batch(cfg, engine, batch, contextlib.nullcontext)[0]
+        want = opd_step.score_batch(cfg, teacher, batch, contextlib.nullcontext)[0]
+        d = (got.logp_B_T.cpu() - want.logp_B_T)[m].abs()
         print(f"{loss}: |vLLM - HF| teacher log-prob of the sampled tokens: max {float(d.max()):.3g}, "
               f"mean {float(d.mean()):.3g} over {int(m.sum())} tokens")
-        d_all = (got["logp_B_T"].cpu() - all_rows)[m].abs()
+        d_all = (got.logp_B_T.cpu() - all_rows)[m].abs()
         print(f"  (against the teacher over all its rows, padding included: mean {float(d_all.mean()):.3g})")
         assert float(d.max()) <= tol_max and float(d.mean()) <= tol_mean
         assert float(d.mean()) < float(d_all.mean()) / 2  # bf16 rounding, not the distribution over the padding rows
         if loss == "topk_fkl":
-            same = (got["topk_ids_B_T_K"].cpu()[m][:, :4] == want["topk_ids_B_T_K"][m][:, :4]).float().mean()
-            dk = (got["topk_logp_B_T_K"].cpu()[m] - want["topk_logp_B_T_K"][m]).abs()
+            same = (got.topk_ids_B_T_K.cpu()[m][:, :4] == want.topk_ids_B_T_K[m][:, :4]).float().mean()
+            dk = (got.topk_logp_B_T_K.cpu()[m] - want.topk_logp_B_T_K[m]).abs()
             print(f"top-8: first 4 ids agree {float(same):.3f}; |d log-prob| mean {float(dk.mean()):.3g}")
             assert same > 0.8 and float(dk.mean()) <= tol_mean
 
@@ -280,8 +285,9 @@ def test_the_doctor_compares_the_vllm_teacher_with_the_hf_teacher(fx, cut, hf, t
     with FakeVLLMServer(served, str(cut), mode=mode) as server:
         rc = _cli("doctor", "--student", str(fx / "student"), "--teacher", str(cut), "--data",
                   str(fx / "data" / "train.parquet"),
-                  overrides=["teacher.source=vllm", f"teacher.url={server.url}", "loss.name=k1", "data.chat_template=true",
-                             "runtime.threads=1", "doctor.max_new_tokens=8", "runtime.device=cpu"])
+                  overrides=["teacher.source=vllm", f"teacher.url={server.url}", "loss.name=k1",
+                             "data.chat_template=true", "runtime.threads=1", "doctor.max_new_tokens=8",
+                             "runtime.device=cpu"])
     table = " ".join(capsys.readouterr().out.split())
     if mode == "ok":
         assert "OK alignment (vllm teacher)" in table and "|vLLM teacher - HF teacher log-prob| max" in table
@@ -306,10 +312,11 @@ def test_several_teachers_each_on_its_server(fx, cut, hf, tmp_path_factory):
     with FakeVLLMServer(served, str(cut)) as s1, FakeVLLMServer(load_model(cut2, CPU, torch.float32), str(cut2)) as s2:
         remote = teachers.TeacherSet(("a", "b"), [vt.ServerTeacher(s.url, d, N_IDS, 30.0, log=lambda *a: None)
                                                   for s, d in ((s1, cut), (s2, cut2))])
-        got = opd.score_batch(cfg, remote, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(cfg, remote, batch, contextlib.nullcontext)
     assert len(s1.requests) == len(s2.requests) == 1  # one request per teacher for the step's rows
-    want = opd.score_batch(cfg, teachers.TeacherSet(("a", "b"), [teacher, teacher2]), batch, contextlib.nullcontext)
+    both = teachers.TeacherSet(("a", "b"), [teacher, teacher2])
+    want = opd_step.score_batch(cfg, both, batch, contextlib.nullcontext)
     m = batch.rollout.completion_mask_B_T.bool()
     for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
-        torch.testing.assert_close(g["logp_B_T"][m[rows]], w["logp_B_T"][m[rows]], rtol=0, atol=2e-5)
-        assert torch.equal(g["topk_ids_B_T_K"][m[rows]], w["topk_ids_B_T_K"][m[rows]])
+        torch.testing.assert_close(g.logp_B_T[m[rows]], w.logp_B_T[m[rows]], rtol=0, atol=2e-5)
+        assert torch.equal(g.topk_ids_B_T_K[m[rows]], w.topk_ids_B_T_K[m[rows]])

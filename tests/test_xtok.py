@@ -22,12 +22,13 @@ import torch
 from tokenizers import Tokenizer, models, normalizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from opdkit import loss_table, losses, opd, xtok, xtok_loss
+from opdkit import loss_table, losses, opd, step as opd_step, xtok, xtok_loss
 from opdkit.config import Config, replace
 from opdkit.embedded import task
 from opdkit.embedded.bpe_teacher import build_bpe_tokenizer
 from opdkit.embedded.tokenizer import build_tokenizer
 from opdkit.engines.base import Rollout, left_pad
+from opdkit.scores import TeacherScores
 
 CHAR_EOS = 2  # <eos> in the character-level and the BPE tokenizers
 
@@ -267,16 +268,16 @@ def test_span_logprobs_equal_each_models_own_logprob_of_the_spans_text(direction
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
     batch.xtok = xtok.teacher_view(pair_of(s_tok, t_tok), ro.completion_ids_B_T, ro.completion_mask_B_T, t_prompts)
     cfg = replace(Config(), "loss.name=k1", "optim.micro_batch=3", "teacher.tokenizer=own")
-    ctxs = opd.score_batch(cfg, teacher, batch, contextlib.nullcontext)
-    got_B_T = torch.cat([c["logp_B_T"] for c in ctxs])
+    ctxs = opd_step.score_batch(cfg, teacher, batch, contextlib.nullcontext)
+    got_B_T = torch.cat([c.logp_B_T for c in ctxs])
     head = student.lm_head
     rest_B_T = []  # t~ after the student's rest of each span (with_student_rest), per micro-batch
-    for c, rows_ in zip(ctxs, opd.micro_slices(cfg, batch)):
+    for c, rows_ in zip(ctxs, opd_step.micro_slices(cfg, batch)):
         g = opd.student_geometry(batch, rows_)
         with torch.no_grad():
             h = student.model(input_ids=g.input_ids_B_S, attention_mask=g.attention_mask_B_S,
                               position_ids=g.position_ids_B_S).last_hidden_state[:, g.prompt_width - 1:-1]
-        rest_B_T.append(xtok_loss.with_student_rest(c, head, h, ro.completion_ids_B_T[rows_], 64, 1.0, 1.0)["logp_B_T"])
+        rest_B_T.append(xtok_loss.with_student_rest(c, head, h, ro.completion_ids_B_T[rows_], 64, 1.0, 1.0).logp_B_T)
     rest_B_T = torch.cat(rest_B_T)
     for b, (text, e) in enumerate(zip(texts, ended)):
         # independently: each model alone on its own tokenization, characters from the tokenizers' offsets
@@ -317,12 +318,11 @@ def test_every_token_of_a_span_gets_the_span_estimators_gradient(loss):
     len_1_T = torch.tensor([[3.0, 3, 3, 1, 2, 2]])
     T_J = torch.tensor([-1.5, -2.5, -0.2], dtype=torch.float64)
     S_J = xtok.span_sum(s_1_T.detach(), span_1_T, 3)[0]
-    ctx = {"xtok_span_B_T": span_1_T, "xtok_len_B_T": len_1_T, "xtok_span_logp_B_T": T_J[span_1_T],
-           "logp_B_T": T_J[span_1_T]}
+    ctx = TeacherScores(T_J[span_1_T], xtok_span_B_T=span_1_T, xtok_len_B_T=len_1_T, xtok_span_logp_B_T=T_J[span_1_T])
     head = torch.nn.Identity()  # h are the logits: token_logprobs gives back s (a 2-id vocabulary per position)
     z_1_T_2 = torch.stack([s_1_T.detach(), torch.log1p(-s_1_T.detach().exp())], -1)
     ids_1_T = torch.zeros((1, 6), dtype=torch.long)
-    t_1_T = xtok_loss.with_student_rest(ctx, head, z_1_T_2.float(), ids_1_T, 8, 1.0, 1.0)["logp_B_T"].double()
+    t_1_T = xtok_loss.with_student_rest(ctx, head, z_1_T_2.float(), ids_1_T, 8, 1.0, 1.0).logp_B_T.double()
     mask = torch.ones((1, 6))
     fn = getattr(losses, f"{loss}_loss")
     args = (s_1_T, s_1_T.detach(), t_1_T, mask, 6.0) + ((0.2,) if loss == "k1" else ())
@@ -417,8 +417,8 @@ def test_with_one_tokenizer_own_is_the_shared_path_bit_for_bit(embedded_run, los
         cfg = replace(run.cfg, f"loss.name={loss}", f"teacher.tokenizer={tk}", "optim.micro_batch=4",
                       "runtime.logprob_chunk=16")
         run.student.zero_grad(set_to_none=True)
-        ctx = opd.score_batch(cfg, run.teacher, batch, contextlib.nullcontext)
-        m = opd.micro_losses(cfg, run.student, batch, ctx, contextlib.nullcontext)
+        ctx = opd_step.score_batch(cfg, run.teacher, batch, contextlib.nullcontext)
+        m = opd_step.micro_losses(cfg, run.student, batch, ctx, contextlib.nullcontext)
         out[name] = (m, [p.grad.clone() for p in run.student.parameters()])
     (m_s, g_s), (m_o, g_o) = out["shared"], out["own"]
     assert m_o["loss"] == m_s["loss"] and m_o["kl"] == m_s["kl"] and m_o["xtok_one_to_one_frac"] == 1.0

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fake_vllm_server import FakeVLLMServer
-from opdkit import opd, xtok
+from opdkit import opd, step as opd_step, xtok
 from opdkit.cli import main as opdkit_main
 from opdkit.config import Config, replace
 from opdkit.embedded import asset, task
@@ -92,17 +92,17 @@ def test_the_vllm_teacher_scores_the_retokenized_ids_as_the_hf_teacher(bpe_teach
     cfg = replace(Config(), "loss.name=k1", "teacher.source=vllm", "teacher.tokenizer=own", "optim.micro_batch=4")
     with FakeVLLMServer(teacher, str(bpe_teacher)) as server:
         client = vt.ServerTeacher(server.url, bpe_teacher, len(t_tok), 30.0, log=lambda *a: None)
-        got = opd.score_batch(cfg, client, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(cfg, client, batch, contextlib.nullcontext)
     view = batch.xtok.teacher
     sent = server.requests[0]["prompt"]
     for b, seq in enumerate(sent):
         n = int(view.completion_mask_B_T[b].sum())
         assert seq == [t for t, m in zip(view.prompt_ids_B_Sp[b].tolist(), view.prompt_mask_B_Sp[b].tolist()) if m] + \
             view.completion_ids_B_T[b, :n].tolist()
-    want = opd.score_batch(replace(cfg, "teacher.source=model"), teacher, batch, contextlib.nullcontext)
+    want = opd_step.score_batch(replace(cfg, "teacher.source=model"), teacher, batch, contextlib.nullcontext)
     m = batch.rollout.completion_mask_B_T.bool()
-    for g, w, rows in zip(got, want, opd.micro_slices(cfg, batch)):
-        torch.testing.assert_close(g["logp_B_T"][m[rows]], w["logp_B_T"][m[rows]], rtol=0, atol=2e-5)
+    for g, w, rows in zip(got, want, opd_step.micro_slices(cfg, batch)):
+        torch.testing.assert_close(g.logp_B_T[m[rows]], w.logp_B_T[m[rows]], rtol=0, atol=2e-5)
     with FakeVLLMServer(teacher, str(bpe_teacher)) as server:
         over = [*TINY, "loss.name=k1", f"teacher.path={bpe_teacher}", "teacher.source=vllm",
                 f"teacher.url={server.url}"]
@@ -170,8 +170,8 @@ def test_the_colocated_vllm_teacher_scores_the_retokenized_ids(tmp_path):
     cfg = replace(Config(), "loss.name=k1", "teacher.source=vllm", "teacher.tokenizer=own",
                   "rollout.max_prompt_tokens=64", "teacher.gpu_memory_utilization=0.2")
     engine = vt.EngineTeacher(cfg, tmp_path / "teacher", len(t_tok), device)
-    got = torch.cat([c["logp_B_T"].cpu() for c in opd.score_batch(cfg, engine, batch, contextlib.nullcontext)])
-    want = torch.cat([c["logp_B_T"] for c in opd.score_batch(replace(cfg, "teacher.source=model"), teacher, batch,
+    got = torch.cat([c.logp_B_T.cpu() for c in opd_step.score_batch(cfg, engine, batch, contextlib.nullcontext)])
+    want = torch.cat([c.logp_B_T for c in opd_step.score_batch(replace(cfg, "teacher.source=model"), teacher, batch,
                                                                   contextlib.nullcontext)])
     m = batch.rollout.completion_mask_B_T.bool()
     d = (got - want)[m].abs()

@@ -24,7 +24,8 @@ def asset(name: str) -> Path:
     """Path of a shipped part: ``train``, ``eval``, ``teacher`` or ``student``."""
     p = ASSETS / PARTS[name]
     if not p.exists():
-        raise MissingAsset(f"the embedded {name} is missing at {p}; rebuild it with `opdkit embedded --out DIR --rebuild`")
+        raise MissingAsset(f"the embedded {name} is missing at {p}; rebuild it with "
+                           "`opdkit embedded --out DIR --rebuild`")
     return p
 
 

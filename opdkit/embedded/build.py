@@ -96,9 +96,9 @@ def sft_batch(tok, prompts: list[str], solutions: list[str]) -> dict[str, torch.
     ids = torch.full((len(seqs), width), tok.pad_token_id)
     lab = torch.full((len(seqs), width), -100)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labels)):
+    for i, (s, y) in enumerate(zip(seqs, labels)):
         ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(l)] = torch.tensor(l)
+        lab[i, : len(y)] = torch.tensor(y)
         mask[i, : len(s)] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 

@@ -60,11 +60,6 @@ def carry_dropped_solution(p: Problem) -> str:
     return solve(p, drop_carries=True)[0]
 
 
-def problem_has_carry(p: Problem) -> bool:
-    """Whether dropping carries changes the answer (where the student's planted error shows)."""
-    return solve(p)[1] != solve(p, drop_carries=True)[1]
-
-
 def sample_problem(rng: random.Random, min_ops: int, max_ops: int) -> Problem:
     value = rng.randint(10, 99)
     first, ops = value, []
@@ -81,7 +76,8 @@ def sample_problem(rng: random.Random, min_ops: int, max_ops: int) -> Problem:
     return Problem(first, tuple(ops))
 
 
-def make_splits(seed: int, n_train: int, n_eval: int, min_ops: int = 2, max_ops: int = 2) -> tuple[list[dict], list[dict]]:
+def make_splits(seed: int, n_train: int, n_eval: int, min_ops: int = 2,
+                max_ops: int = 2) -> tuple[list[dict], list[dict]]:
     """Disjoint train/eval rows ``{id, prompt, solution, answer}``; identical for the same arguments."""
     rng = random.Random(seed)
     seen: set[str] = set()

@@ -27,7 +27,8 @@ class Rollout:
     prompt_mask_B_Sp: torch.Tensor  # 1 on real prompt tokens
     completion_ids_B_T: torch.Tensor  # sampled tokens, padded on the right with pad_id
     completion_mask_B_T: torch.Tensor  # 1 on sampled tokens up to and including the first EOS
-    sampling_logp_B_T: torch.Tensor | None  # log π (the sampling policy) of each sampled token (0 on padding); None: not recorded
+    # log π (the sampling policy) of each sampled token (0 on padding); None: not recorded
+    sampling_logp_B_T: torch.Tensor | None
     truncated_B: torch.Tensor  # bool: hit the token cap without emitting EOS
     prompt_index_B: torch.Tensor  # which prompt each row answers
 
@@ -74,7 +75,8 @@ def sampling_vocab(model, tokenizer) -> int | None:
     return n
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(seqs: list[list[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists -> (ids_B_S, mask_B_S)."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)

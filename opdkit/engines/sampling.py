@@ -68,7 +68,8 @@ def policy_settings(temperature: float, top_p: float) -> tuple[float, float]:
     return float(temperature), float(top_p)
 
 
-def policy_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float, n_vocab: int | None = None) -> torch.Tensor:
+def policy_logits(logits_B_V: torch.Tensor, temperature: float, top_p: float,
+                  n_vocab: int | None = None) -> torch.Tensor:
     """The logits of the sampling policy π (module docstring), in the input's dtype and with its
     leading axes: ids >= ``n_vocab`` and ids outside the top-p nucleus -inf, divided by the
     temperature (greedy: 1). The input itself at τ = 1, p = 1 with no padding rows."""

@@ -70,7 +70,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return out_B_K_G_D.reshape(B, H, 1, D).transpose(1, 2), None
     key = key.repeat_interleave(G, dim=1)  # prefill (once per call): plain sdpa on repeated heads
     value = value.repeat_interleave(G, dim=1)
-    out_B_H_q_D = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scale)
+    out_B_H_q_D = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                                   scale=scale)
     return out_B_H_q_D.transpose(1, 2).contiguous(), None
 
 
@@ -143,12 +144,14 @@ def _fused_layers(gen) -> list[dict] | None:
         a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         need = [(a, "q_proj"), (a, "k_proj"), (a, "v_proj"), (a, "o_proj"), (mlp, "gate_proj"), (mlp, "up_proj"),
                 (mlp, "down_proj"), (mlp, "act_fn"), (layer, "input_layernorm"), (layer, "post_attention_layernorm")]
-        if any(o is None or not hasattr(o, k) for o, k in need) or not hasattr(layer.input_layernorm, "variance_epsilon"):
+        if (any(o is None or not hasattr(o, k) for o, k in need)
+                or not hasattr(layer.input_layernorm, "variance_epsilon")):
             return None  # e.g. Gemma's (1 + weight) norms keep their eps elsewhere: the modules' forward is used
         w_qkv, b_qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
         w_gu, b_gu = _fuse([mlp.gate_proj, mlp.up_proj])
         out.append(dict(w_qkv=w_qkv, b_qkv=b_qkv, w_gu=w_gu, b_gu=b_gu, attn=a, mlp=mlp, ln1=layer.input_layernorm,
-                        ln2=layer.post_attention_layernorm, q_norm=getattr(a, "q_norm", None), k_norm=getattr(a, "k_norm", None),
+                        ln2=layer.post_attention_layernorm, q_norm=getattr(a, "q_norm", None),
+                        k_norm=getattr(a, "k_norm", None),
                         H=cfg.num_attention_heads, Hkv=cfg.num_key_value_heads, D=a.head_dim, scale=a.scaling))
     return out
 
@@ -380,7 +383,8 @@ class StaticDecoder:
             T = max_new_tokens
             s = self._session(B, W, T, float(temperature), float(top_p), list(eos_ids))
             n_prompt_B = mask_B_Sp.long().sum(1)
-            if not torch.equal(mask_B_Sp.long(), (torch.arange(W, device=mask_B_Sp.device) >= W - n_prompt_B[:, None]).long()):
+            left_B_W = (torch.arange(W, device=mask_B_Sp.device) >= W - n_prompt_B[:, None]).long()
+            if not torch.equal(mask_B_Sp.long(), left_B_W):
                 raise ValueError("the static decoder needs left-padded prompts (real tokens last in each row)")
             s.seeds_B.copy_(torch.tensor(seeds, dtype=torch.int64))
             s.start_B.copy_(s.Sp - n_prompt_B)
@@ -409,7 +413,8 @@ class StaticDecoder:
                     if bool(s.done_B.all()):
                         break
             t = min(t, T)
-            self.stats.update(decode_steps=t, fused_layers=True, kernels=s.kernels, steps_per_graph=S, prompt_slots=s.Sp)
+            self.stats.update(decode_steps=t, fused_layers=True, kernels=s.kernels, steps_per_graph=S,
+                              prompt_slots=s.Sp)
             return s.out_ids_B_T[:, :t].clone(), s.out_logp_B_T[:, :t].clone()
 
 
@@ -446,7 +451,8 @@ class _ModuleDecoder:
             visible_B_L = torch.zeros((B, L), dtype=torch.bool, device=dev)  # cache slots holding real tokens
             visible_B_L[:, :Sp] = mask_B_Sp.bool()
             causal_Sp_Sp = torch.ones((Sp, Sp), dtype=torch.bool, device=dev).tril()
-            mask_B_1_Sp_Sp = (visible_B_L[:, None, None, :Sp] & causal_Sp_Sp) | torch.eye(Sp, dtype=torch.bool, device=dev)
+            mask_B_1_Sp_Sp = ((visible_B_L[:, None, None, :Sp] & causal_Sp_Sp)
+                              | torch.eye(Sp, dtype=torch.bool, device=dev))
             pos_B_Sp = (mask_B_Sp.long().cumsum(1) - 1).clamp_min(0)
             h_B_Sp_H = dec.gen.model(input_ids=ids_B_Sp, attention_mask=mask_B_1_Sp_Sp, position_ids=pos_B_Sp,
                                      use_cache=True, **{self.cache_kw: cache}).last_hidden_state

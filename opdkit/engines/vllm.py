@@ -226,12 +226,14 @@ class VLLMEngine:
         device = next(model.parameters()).device
         vllm = _require_vllm(device)
         if ENGINES_BUILT:
-            raise RuntimeError("a second vLLM engine in this process (e.g. loss.name=sft with loss.sft_source=teacher "
-                               "samples from the teacher): opdkit colocates one vLLM engine only; use rollout.engine=hf")
+            raise RuntimeError("a second vLLM engine in this process (e.g. loss.name=sft with "
+                               "loss.sft_source=teacher samples from the teacher): opdkit colocates one vLLM engine "
+                               "only; use rollout.engine=hf")
         base = plain(model)
         path = base.config._name_or_path  # the HF directory the student was loaded from (architecture, tokenizer)
         if not path or not os.path.isdir(path):
-            raise ValueError(f"rollout.engine=vllm builds the student's architecture from its HF directory; got {path!r}")
+            raise ValueError("rollout.engine=vllm builds the student's architecture from its HF directory; "
+                             f"got {path!r}")
         self.pad_id, self.eos_ids = pad_and_eos(base, tokenizer)
         self.n_vocab = sampling_vocab(base, tokenizer)
         self.max_prompt_tokens = cfg.rollout.max_prompt_tokens

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -49,6 +48,7 @@ import torch
 
 from opdkit import loss_table
 from opdkit.engines import vllm as vllm_engine
+from opdkit.scores import TeacherScores
 
 NEG_INF_AS = -9999.0  # vLLM's server writes -inf log-probs as this (clamp_prompt_logprobs)
 # the colocated engine's max_model_len, in the student's prompt + completion tokens: x1, or with teacher.tokenizer=own
@@ -140,13 +140,13 @@ def parse_scores(prompt_logprobs, sent: list[int], echoed: list[int] | None, n_p
         i = n_prompt + t
         pos = _position(prompt_logprobs[i], f"{where}, completion token {t}")
         if sent[i] not in pos:
-            raise VLLMTeacherError(f"{where}, completion token {t}: the teacher's answer has no log-prob for the sampled "
-                                   f"token {sent[i]} (positions shifted?)")
+            raise VLLMTeacherError(f"{where}, completion token {t}: the teacher's answer has no log-prob for the "
+                                   f"sampled token {sent[i]} (positions shifted?)")
         if any(v > 1e-3 or math.isnan(v) for v in pos.values()):
             raise VLLMTeacherError(f"{where}, completion token {t}: values that are not log-probabilities: {pos}")
         if max(pos) >= n_vocab:
-            raise VLLMTeacherError(f"{where}, completion token {t}: id {max(pos)} is past the tokenizer's {n_vocab} ids: "
-                                   "the teacher has padding rows (serve the copy `opdkit vocab-cut` writes)")
+            raise VLLMTeacherError(f"{where}, completion token {t}: id {max(pos)} is past the tokenizer's {n_vocab} "
+                                   "ids: the teacher has padding rows (serve the copy `opdkit vocab-cut` writes)")
         logp.append(pos[sent[i]])
         if k:
             best = sorted(pos.items(), key=lambda kv: -kv[1])[:k]
@@ -158,8 +158,8 @@ def parse_scores(prompt_logprobs, sent: list[int], echoed: list[int] | None, n_p
     return logp, top_ids, top_lp
 
 
-def scores_to_context(scores: list[tuple], T: int, k: int, device) -> dict:
-    """Rows' ``parse_scores`` as ``opd.teacher_context``'s tensors: ``logp_B_T`` (0 past each
+def scores_to_context(scores: list[tuple], T: int, k: int, device) -> TeacherScores:
+    """Rows' ``parse_scores`` as ``step.teacher_context``'s tensors: ``logp_B_T`` (0 past each
     completion), and with k > 0 ``topk_ids_B_T_K`` / ``topk_logp_B_T_K``."""
     B = len(scores)
     logp_B_T = torch.zeros((B, T))
@@ -170,19 +170,19 @@ def scores_to_context(scores: list[tuple], T: int, k: int, device) -> dict:
         if k and n:
             ids_B_T_K[b, :n] = torch.tensor(top_ids)
             lp_B_T_K[b, :n] = torch.tensor(top_lp)
-    ctx = {"logp_B_T": logp_B_T.to(device)}
+    ctx = TeacherScores(logp_B_T.to(device))
     if k:
-        ctx["topk_ids_B_T_K"], ctx["topk_logp_B_T_K"] = ids_B_T_K.to(device), lp_B_T_K.to(device)
+        ctx.topk_ids_B_T_K, ctx.topk_logp_B_T_K = ids_B_T_K.to(device), lp_B_T_K.to(device)
     return ctx
 
 
 class _Scorer:
-    """What both kinds share: ``score`` (``opd.score_rows``' protocol) over ``_prompt_logprobs``."""
+    """What both kinds share: ``score`` (``step.score_rows``' protocol) over ``_prompt_logprobs``."""
 
     name: str
     n_vocab: int
 
-    def score(self, cfg, batch, row_sets: list) -> list[dict]:
+    def score(self, cfg, batch, row_sets: list) -> list[TeacherScores]:
         k = prompt_logprobs_k(cfg)
         per_set = [sequences(batch, rows) for rows in row_sets]
         flat = [s for seqs, _, _ in per_set for s in seqs]
@@ -234,10 +234,11 @@ class ServerTeacher(_Scorer):
                 pass
             raise VLLMTeacherError(f"the vLLM teacher server at {self.url} answered {route} with HTTP {e.code}: "
                                    f"{str(detail)[:500]}") from None
-        except (urllib.error.URLError, socket.timeout, ConnectionError, OSError) as e:
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise VLLMTeacherError(f"the vLLM teacher server at {self.url} cannot be reached ({reason}; teacher.timeout_s="
-                                   f"{self.timeout_s:g}): start it (vllm serve DIR --max-logprobs K) or fix teacher.url"
+            raise VLLMTeacherError(f"the vLLM teacher server at {self.url} cannot be reached ({reason}; "
+                                   f"teacher.timeout_s={self.timeout_s:g}): start it (vllm serve DIR --max-logprobs K) "
+                                   "or fix teacher.url"
                                    ) from None
         try:
             return json.loads(text)
@@ -277,7 +278,8 @@ class EngineTeacher(_Scorer):
                   max_num_seqs=max(1, rows),
                   gpu_memory_utilization=cfg.teacher.gpu_memory_utilization, enable_sleep_mode=device.type == "cuda",
                   enable_prefix_caching=False, max_logprobs=max(20, prompt_logprobs_k(cfg)), runner="generate",
-                  logprobs_mode="raw_logprobs", enforce_eager=True)  # prefills only: no compile, no graphs (a short start)
+                  # prefills only: no compile, no graphs (a short start)
+                  logprobs_mode="raw_logprobs", enforce_eager=True)
         # its own engine process (one sleep-mode engine per process), started by spawn: a forked child cannot use
         # CUDA once this process has initialised it ("Cannot re-initialize CUDA in forked subprocess"), as any
         # training process whose student is on the GPU has
@@ -327,7 +329,7 @@ def make_teachers(cfg, inputs, device: torch.device, log=print):
     own = cfg.teacher.tokenizer == "own"  # cross-tokenizer: the teacher scores its own ids (opdkit.xtok)
     n = tokenizer_ids(inputs.teacher_tokenizer if own else inputs.tokenizer)
     members = []
-    for (what, path), url in zip(inputs.teacher_paths.items(), teacher_urls(cfg).values()):
+    for (_what, path), url in zip(inputs.teacher_paths.items(), teacher_urls(cfg).values()):
         members.append(ServerTeacher(url, path, n, cfg.teacher.timeout_s, log) if url
                        else EngineTeacher(cfg, path, n, device))
     return TeacherSet(tuple(t.name for t in cfg.teachers), members) if cfg.teachers else members[0]

@@ -107,7 +107,8 @@ def gather(runs: Path, curves: Path, matrix: list[tuple[str, int]]) -> tuple[dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opdkit.stages.track_runs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", required=True, help="the train stage's folder (RUNS/<arm>/seed<n>)")
-    ap.add_argument("--curves", required=True, help="the eval stage's learning curves (CURVES/<arm>/seed<n>/curve.json)")
+    ap.add_argument("--curves", required=True,
+                    help="the eval stage's learning curves (CURVES/<arm>/seed<n>/curve.json)")
     ap.add_argument("--out", required=True, help="OUT/plots/*.tsv and OUT/metrics.json")
     ap.add_argument("-p", "--params", default="params.yaml")
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

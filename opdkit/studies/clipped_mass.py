@@ -31,8 +31,7 @@ from tqdm.auto import tqdm
 from opdkit import losses
 from opdkit.config import Config
 from opdkit.stats import kl_bin_means
-from opdkit.studies.common import (new_figure, position_chunks, prepare, row_chunks, study_header, tau_label,
-                                   write_json)
+from opdkit.studies.common import new_figure, position_chunks, prepare, row_chunks, study_header, tau_label, write_json
 from opdkit.studies.padding import hidden_at, reference_geometry
 from opdkit.teacher import full_logprobs, unwrap
 
@@ -204,7 +203,8 @@ def plot_clipped_mass(result: dict, out: Path) -> list[Path]:
 
     fig, (ax,) = new_figure()
     edges = result["kl_bins"]
-    bin_labels = [f"[{tau_label(lo)}, {tau_label(hi)})\nn={n}" for lo, hi, n in zip(edges[:-1], edges[1:], result["kl_bin_counts"])]
+    bin_labels = [f"[{tau_label(lo)}, {tau_label(hi)})\nn={n}"
+                  for lo, hi, n in zip(edges[:-1], edges[1:], result["kl_bin_counts"])]
     xb = np.arange(len(bin_labels))
     for tau, row in zip(taus, result["clipped_mass_by_kl"]):
         ax.plot(xb, nums(row), "o-", label=f"tau={tau_label(tau)}")

@@ -25,10 +25,10 @@ import torch
 from opdkit import paths
 from opdkit.config import Config, to_dict
 from opdkit.data import encode_prompt, load_eval_examples
-from opdkit.models import load_model, load_tokenizer, pick_device, setup_torch
 from opdkit.engines.base import Rollout
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
+from opdkit.models import load_model, load_tokenizer, pick_device, setup_torch
 from opdkit.pairs import check_same_vocab, use_shared_vocab
 
 

@@ -31,10 +31,9 @@ from tqdm.auto import tqdm
 
 from opdkit import losses
 from opdkit.config import Config
-from opdkit.opd import Batch, alignment_report
 from opdkit.engines.base import Rollout
-from opdkit.studies.common import (log_floor, new_figure, position_chunks, prepare, row_chunks, study_header,
-                                   write_json)
+from opdkit.opd import Batch, alignment_report
+from opdkit.studies.common import log_floor, new_figure, position_chunks, prepare, row_chunks, study_header, write_json
 from opdkit.teacher import AlignmentError, Geometry, build_geometry, check_alignment, full_logprobs, unwrap
 
 SIDES = ("right", "left")
@@ -85,7 +84,8 @@ def left_pad_geometry(prompt_ids_B_Sp, prompt_mask_B_Sp, completion_ids_B_T, com
     dev = prompt_ids_B_Sp.device
     ids_B_k = torch.full((B, k), pad_id, dtype=prompt_ids_B_Sp.dtype, device=dev)
     mask_B_k = torch.zeros((B, k), dtype=prompt_mask_B_Sp.dtype, device=dev)
-    return reference_geometry(torch.cat([ids_B_k, prompt_ids_B_Sp], dim=1), torch.cat([mask_B_k, prompt_mask_B_Sp], dim=1),
+    return reference_geometry(torch.cat([ids_B_k, prompt_ids_B_Sp], dim=1),
+                              torch.cat([mask_B_k, prompt_mask_B_Sp], dim=1),
                               completion_ids_B_T, completion_mask_B_T)
 
 
@@ -135,7 +135,8 @@ def padding_offsets(models: dict, ro: Rollout, pad_id: int, ks: list[int], chunk
         return full_logprobs(unwrap(models[name])[1], h_B_T_H[:, cols], chunk)
 
     for rows in tqdm(chunks, desc="padding study", unit="chunk", disable=not progress):
-        args = (ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows], ro.completion_ids_B_T[rows], ro.completion_mask_B_T[rows])
+        args = (ro.prompt_ids_B_Sp[rows], ro.prompt_mask_B_Sp[rows], ro.completion_ids_B_T[rows],
+                ro.completion_mask_B_T[rows])
         ids_B_T, mask_B_T = args[2], args[3]
         col_chunks = position_chunks(ids_B_T.shape[0], T, chunk)
         ref_sg = reference_geometry(*args)
@@ -191,7 +192,8 @@ def padding_study(cfg: Config, out: str | Path, progress: bool = True) -> dict:
     out = Path(out)
     ks = [int(k) for k in cfg.studies.padding_k]
     if not ks or min(ks) < 0:
-        raise ValueError(f"studies.padding_k must be a non-empty list of pad counts >= 0, got {list(cfg.studies.padding_k)}")
+        raise ValueError("studies.padding_k must be a non-empty list of pad counts >= 0, got "
+                         f"{list(cfg.studies.padding_k)}")
     setup = prepare(cfg, progress)
     ro = setup.rollout
     chunk = cfg.runtime.logprob_chunk
@@ -214,8 +216,10 @@ def padding_study(cfg: Config, out: str | Path, progress: bool = True) -> dict:
         "kl_right": res["kl_right_teacher"], "kl_left": res["kl_left_teacher"],
         "kl_right_student": res["kl_right_student"], "kl_left_student": res["kl_left_student"],
         "max_dlogp_right": res["max_dlogp_right_teacher"], "max_dlogp_left": res["max_dlogp_left_teacher"],
-        "max_dlogp_right_student": res["max_dlogp_right_student"], "max_dlogp_left_student": res["max_dlogp_left_student"],
-        "mean_abs_dlogp_right": res["mean_abs_dlogp_right_teacher"], "mean_abs_dlogp_left": res["mean_abs_dlogp_left_teacher"],
+        "max_dlogp_right_student": res["max_dlogp_right_student"],
+        "max_dlogp_left_student": res["max_dlogp_left_student"],
+        "mean_abs_dlogp_right": res["mean_abs_dlogp_right_teacher"],
+        "mean_abs_dlogp_left": res["mean_abs_dlogp_left_teacher"],
         "kl_right_over_signal": [v / signal if signal > 0 else math.nan for v in res["kl_right_teacher"]],
         "signal_kl": signal, "signal_fkl": res["signal_fkl"], "n_tokens": res["n_tokens"],
         "alignment": alignment, "right_pad_alignment_error": right_error,
@@ -234,7 +238,8 @@ def plot_padding(result: dict, path: Path) -> Path:
               "left pad, teacher": result["kl_left"], "left pad, student": result["kl_left_student"]}
     floor = log_floor([v for s in series.values() for v in s] + [result["signal_kl"]])
     fig, (ax,) = new_figure()
-    styles = {"right pad, teacher": "o-", "right pad, student": "s--", "left pad, teacher": "^-", "left pad, student": "v--"}
+    styles = {"right pad, teacher": "o-", "right pad, student": "s--", "left pad, teacher": "^-",
+              "left pad, student": "v--"}
     for label, vals in series.items():
         y = np.maximum(np.asarray(vals, dtype=float), floor)
         ax.plot(ks, y, styles[label], label=label)
