@@ -118,6 +118,17 @@ def explain_storage_errors(directory: str | os.PathLike, nbytes: int, what: str)
 # --- durability -----------------------------------------------------------------------------
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (one of another user's counts: it cannot be signalled)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so that renames and new entries in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

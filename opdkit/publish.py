@@ -49,7 +49,7 @@ from opdkit.checkpoints import (
     surviving_checkpoints_message,
     validate_checkpoint,
 )
-from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
+from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, pid_alive, retry_io
 from opdkit.weights_io import (
     shard_plan,
     write_index,
@@ -276,7 +276,7 @@ def _clean_stale_temp_dirs(root: Path, log: Log) -> None:
         m = _TMP_RE.match(entry.name)
         with _in_progress_lock:
             ours_now = str(entry) in _in_progress
-        if m is None or ours_now or (int(m[2]) != os.getpid() and _pid_alive(int(m[2]))):
+        if m is None or ours_now or (int(m[2]) != os.getpid() and pid_alive(int(m[2]))):
             continue
         final = root / f"checkpoint-{m[1]}"
         if m[3] == "old" and not final.exists() and is_valid_checkpoint(entry, full=False)[0]:
@@ -286,16 +286,6 @@ def _clean_stale_temp_dirs(root: Path, log: Log) -> None:
             continue
         shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         log(f"removed stale temp dir {entry.name}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- background publishing --------------------------------------------------------------------

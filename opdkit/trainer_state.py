@@ -46,7 +46,7 @@ import torch
 
 from opdkit import distributed, tensor_files
 from opdkit.config import to_dict
-from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, retry_io
+from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, pid_alive, retry_io
 from opdkit.setup import Run, RunError, load_trainable_state
 
 STATE_DIR = "state"
@@ -305,21 +305,11 @@ def _remove_all_but(state_dir: Path, keep: Path, keep_states: int = 1) -> None:
         shutil.rmtree(p, ignore_errors=True)
     for p in state_dir.iterdir():
         m = _TMP.match(p.name)
-        if m and (int(m[1]) == os.getpid() or not _pid_alive(int(m[1]))):
+        if m and (int(m[1]) == os.getpid() or not pid_alive(int(m[1]))):
             shutil.rmtree(p, ignore_errors=True)
         elif p.name == LEGACY_FILE:
             p.unlink(missing_ok=True)
     fsync_dir(state_dir)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- restoring --------------------------------------------------------------------------------
