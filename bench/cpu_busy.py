@@ -6,11 +6,12 @@
 For each combination of threads (``runtime.threads``), OpenMP wait policy (``OMP_WAIT_POLICY`` in
 the trainer's environment; ``unset`` leaves it out: libgomp's spin-then-sleep default before
 issue 15, PASSIVE since, as opdkit's command line sets it; ``SPIN<n>``: ``GOMP_SPINCOUNT=n``, spin
-briefly then sleep) and number of busy processes (pure-Python spin loops, one core each), runs ``python -m opdkit train``
-for ``--steps`` steps of the default rollout (16 prompts x 4 samples, 64 tokens) and reads the
-step times from its ``metrics/train.jsonl`` (``time_rollout_s + time_score_s + time_update_s``;
-the first two steps are dropped as warm-up), for each arm of ``--arms`` (the pipeline's arms,
-``opdkit.report.pipeline_arms``: default ``rkl``; the controls train as the pipeline trains them).
+briefly then sleep) and number of busy processes (pure-Python spin loops, one core each), runs
+``python -m opdkit train`` for ``--steps`` steps of the default rollout (16 prompts x 4 samples,
+64 tokens) and reads the step times from its ``metrics/train.jsonl``
+(``time_rollout_s + time_score_s + time_update_s``; the first two steps are dropped as warm-up),
+for each arm of ``--arms`` (the pipeline's arms, ``opdkit.report.pipeline_arms``: default ``rkl``;
+the controls train as the pipeline trains them).
 Prints one line per case, with the median seconds of each phase, and writes DIR/cpu_busy.json:
 
     arm  threads policy  busy  median_step_s  steps_per_s  min_step_s  max_step_s  rollout  score  update
@@ -61,7 +62,8 @@ def one_case(out: Path, steps: int, threads: int, policy: str, busy: int, arm: s
     rows = [json.loads(ln) for ln in (run_dir / "metrics" / "train.jsonl").read_text().splitlines()]
     times = [r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"] for r in rows[2:]]
     med = statistics.median(times)
-    phases = {k: round(statistics.median(r[f"time_{k}_s"] for r in rows[2:]), 3) for k in ("rollout", "score", "update")}
+    phases = {k: round(statistics.median(r[f"time_{k}_s"] for r in rows[2:]), 3)
+              for k in ("rollout", "score", "update")}
     return {"arm": arm, **phases, "threads": threads, "policy": policy, "busy": busy, "median_step_s": round(med, 3),
             "steps_per_s": round(1 / med, 3), "min_step_s": round(min(times), 3), "max_step_s": round(max(times), 3),
             "n_steps": len(times)}
@@ -92,7 +94,8 @@ def main() -> None:
         r = one_case(out, args.steps, threads, policy, busy, arm, arms[arm])
         results.append(r)
         print(f"{arm:<14} {threads:>7} {policy:>8} {busy:>4} {r['median_step_s']:>13.3f} {r['steps_per_s']:>11.3f} "
-              f"{r['min_step_s']:>6.2f} {r['max_step_s']:>6.2f} {r['rollout']:>7.3f} {r['score']:>6.3f} {r['update']:>6.3f}",
+              f"{r['min_step_s']:>6.2f} {r['max_step_s']:>6.2f} {r['rollout']:>7.3f} {r['score']:>6.3f} "
+              f"{r['update']:>6.3f}",
               flush=True)
     (out / "cpu_busy.json").write_text(json.dumps({"cpus": os.cpu_count(), "results": results}, indent=2) + "\n")
 

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
-KEEP = ("step", "elapsed_s", "time_rollout_s", "time_score_s", "time_update_s", "peak_mem_gb", "tokens", "truncated_frac", "loss",
-        "kl", "grad_norm", "ratio_max", "rollout_lag")
+KEEP = ("step", "elapsed_s", "time_rollout_s", "time_score_s", "time_update_s", "peak_mem_gb", "tokens",
+        "truncated_frac", "loss", "kl", "grad_norm", "ratio_max", "rollout_lag")
 
 
 def _append(out: Path, row: dict) -> None:
@@ -127,7 +127,8 @@ def run_waiting(cmd: list[str], **kw) -> int:
     import signal
 
     proc = subprocess.Popen(cmd, **kw)
-    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return proc.wait()
     finally:
@@ -200,7 +201,8 @@ def _fmt(x, spec=".2f"):
 
 def report(args) -> str:
     out = Path(args.out)
-    runs = [json.loads(ln) for ln in (out / "runs.jsonl").read_text().splitlines()] if (out / "runs.jsonl").is_file() else []
+    runs = ([json.loads(ln) for ln in (out / "runs.jsonl").read_text().splitlines()]
+            if (out / "runs.jsonl").is_file() else [])
     lines = ["| run | engine, settings | rc | step | step s | rollout s | scoring s | update s | peak GiB | tokens | "
              "max / mean abs dlogp (outside) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     shown: dict[str, int] = {}  # a resumed run's line repeats its earlier steps: show each step once
@@ -214,7 +216,8 @@ def report(args) -> str:
             continue
         a = r.get("alignment") or {}
         align = (f"{_fmt(a.get('recompute_max_abs_dlogp'), '.3g')} / {_fmt(a.get('recompute_mean_abs_dlogp'), '.3g')} "
-                 f"({_fmt(a.get('recompute_weight0_share', a.get('recompute_outside_nucleus_frac')), '.2g')})") if a else ""
+                 f"({_fmt(a.get('recompute_weight0_share', a.get('recompute_outside_nucleus_frac')), '.2g')})"
+                 if a else "")
         settings = ", ".join(o.split("=")[0].split(".")[-1] + "=" + o.split("=", 1)[1] for o in r["overrides"])
         new = [s for s in r["rows"] if s.get("step", 0) > shown.get(r["name"], 0)]
         shown[r["name"]] = max([shown.get(r["name"], 0)] + [s.get("step", 0) for s in new])
@@ -222,8 +225,8 @@ def report(args) -> str:
             step_s = sum(s.get(k) or 0 for k in ("time_rollout_s", "time_score_s", "time_update_s")) if s else None
             lines.append(f"| {r['name']} | {settings} | {r['rc']} | {s.get('step', '')} | {_fmt(step_s, '.1f')} | "
                          f"{_fmt(s.get('time_rollout_s'))} | {_fmt(s.get('time_score_s'))} | "
-                         f"{_fmt(s.get('time_update_s'))} | {_fmt(s.get('peak_mem_gb'), '.1f')} | {s.get('tokens', '')} | "
-                         f"{align if i == 0 else ''} |")
+                         f"{_fmt(s.get('time_update_s'))} | {_fmt(s.get('peak_mem_gb'), '.1f')} | "
+                         f"{s.get('tokens', '')} | {align if i == 0 else ''} |")
     text = "\n".join(lines) + "\n"
     (out / "lane.md").write_text(text)
     print(text)

@@ -1,5 +1,8 @@
 """Markdown tables from ``opd_bench.py`` JSON results:
-``python bench/report.py roofline=r.json s1=s1.json trl=trl_7168.json s2=s2.json s1_short=s1_512.json trl_short=trl_512.json``
+
+    python bench/report.py roofline=r.json s1=s1.json trl=trl_7168.json s2=s2.json
+        s1_short=s1_512.json trl_short=trl_512.json
+
 (``trl`` goes beside ``s1``, ``trl_short`` beside ``s1_short``).
 
 Step figures are the mean over the measured steps after the first (the first pays for CUDA-graph
@@ -60,7 +63,8 @@ def _s1_table(s1: dict, trl: dict | None, bw: float | None) -> list[str]:
     if bound:
         out += ["", f"Decode bound: a step reads {f['decode_read_bytes_bf16'] / 1e9:.2f} GB of bf16 weights "
                     f"(decoder + LM head) -> {bound:.0f} steps/s at the measured copy bandwidth; opdkit reaches "
-                    f"{_mean(st, 'decode_steps_per_s') / bound:.0%} of it (KV-cache reads, sampling and prefill included)."]
+                    f"{_mean(st, 'decode_steps_per_s') / bound:.0%} of it (KV-cache reads, sampling and prefill "
+                    "included)."]
     out += [f"Truncated share: {_mean(st, 'truncated_frac'):.0%} (random-init models never emit EOS: every sample "
             f"runs to the {cap:,}-token cap)."]
     return out
@@ -72,8 +76,10 @@ def report(results: dict[str, dict]) -> str:
     bw = r.get("copy_bw_Bps")
     if r:
         out += [f"Device: {r['device']}, torch {r['torch']}, transformers {r['transformers']}. Measured ceilings: "
-                f"device copy {bw / 1e12:.2f} TB/s (read + write), bf16 8192³ matmul {r['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s; "
-                f"a kernel launch {r.get('eager_launch_us', 0):.1f} µs eager, {r.get('graph_node_us', 0):.2f} µs per node in a CUDA graph.", ""]
+                f"device copy {bw / 1e12:.2f} TB/s (read + write), "
+                f"bf16 8192³ matmul {r['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s; "
+                f"a kernel launch {r.get('eager_launch_us', 0):.1f} µs eager, "
+                f"{r.get('graph_node_us', 0):.2f} µs per node in a CUDA graph.", ""]
     for key, other in (("s1", "trl"), ("s1_short", "trl_short")):
         if key in results:
             out += _s1_table(results[key], results.get(other) if other else None, bw) + [""]
@@ -85,7 +91,8 @@ def report(results: dict[str, dict]) -> str:
                 " | ".join(f"step {s['step']}" for s in st[1:]) + " |", "|" + "---|" * (len(st) + 1)]
         for label, key, fmt in [("step, s", "step_s", "{:.2f}"), ("rollout, s", "rollout_s", "{:.2f}"),
                                 ("teacher scoring, s", "score_s", "{:.2f}"), ("update, s", "update_s", "{:.2f}"),
-                                ("decode steps/s", "decode_steps_per_s", "{:.0f}"), ("peak memory allocated, GiB", "peak_alloc_gib", "{:.1f}")]:
+                                ("decode steps/s", "decode_steps_per_s", "{:.0f}"),
+                                ("peak memory allocated, GiB", "peak_alloc_gib", "{:.1f}")]:
             out.append(f"| {label} | " + " | ".join(_f(s.get(key), fmt) for s in st) + " |")
         out.append(f"Trainable (LoRA) parameters: {s2['trainable_params']:,} of {s2['facts']['n_params']:,}.")
     return "\n".join(out)
