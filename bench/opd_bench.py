@@ -28,13 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opdkit import opd  # noqa: E402
-from opdkit import step as opd_step  # noqa: E402
-from opdkit.models import random_model, setup_torch, shape_config  # noqa: E402
-from opdkit.recipes import load_config  # noqa: E402
+from opdkit import opd, step as opd_step  # noqa: E402
 from opdkit.engines.base import left_pad  # noqa: E402
 from opdkit.engines.select import engine_name, make_engine  # noqa: E402
 from opdkit.engines.weights import plain  # noqa: E402
+from opdkit.models import random_model, setup_torch, shape_config  # noqa: E402
+from opdkit.recipes import load_config  # noqa: E402
 from opdkit.schedules import lr_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +123,8 @@ def copy_bandwidth(device="cuda", numel: int = 2**29, warmup: int = 3, reps: int
 def roofline(args) -> dict:
     copy_bw = copy_bandwidth("cuda")  # 2 GiB, median of 20
     n = 8192
-    a_, b_ = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a_, b_ = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+              torch.randn(n, n, device="cuda", dtype=torch.bfloat16))
     for _ in range(3):
         a_ @ b_
     t0 = sync()
@@ -165,7 +165,8 @@ def decode_check(args) -> dict:
     from opdkit.engines.static import StaticDecoder
 
     T = args.max_new_tokens or 512
-    mcfg = shape_config("qwen2-1.5b", eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None, **dict(args.shape_kw))
+    mcfg = shape_config("qwen2-1.5b", eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None,
+                        **dict(args.shape_kw))
     model = random_model(mcfg, DEVICE, torch.bfloat16, seed=0)
     dec = StaticDecoder(model)
     prompts = random_prompts(2, 180, 260, seed=0)
@@ -176,7 +177,8 @@ def decode_check(args) -> dict:
     def go(lo, hi):
         ids, mask = left_pad(rows[lo:hi], EOS_ID, DEVICE)
         t0 = sync()
-        tok, logp = dec.generate(ids, mask, seeds[lo:hi], temperature=1.0, top_p=1.0, max_new_tokens=T, eos_ids=[EOS_ID])
+        tok, logp = dec.generate(ids, mask, seeds[lo:hi], temperature=1.0, top_p=1.0, max_new_tokens=T,
+                                 eos_ids=[EOS_ID])
         return tok, logp, dec.stats["decode_steps"] / (sync() - t0)
 
     go(0, 8)  # warm-up (cuBLAS, allocator)
@@ -258,16 +260,19 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
                                temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
         t1 = sync()
         if args.profile and step == args.steps - 1:  # teacher scoring + update of the last step
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
         if cfg.teacher.source == "model":
             t_ids, t_mask = ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp
         else:  # privileged: the teacher's prompt also holds the reference solution
             t_ids, t_mask = left_pad([pool[i] + solutions[i] for i in idx for _ in range(G)], EOS_ID, dev)
         batch = opd.Batch(ro, t_ids, t_mask)
-        contexts = opd_step.score_batch(cfg, teacher, batch, autocast, teacher_ctx or __import__("contextlib").nullcontext)
+        step_settings = {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+        contexts = opd_step.score_batch(cfg.loss, teacher, batch, autocast,
+                                        teacher_ctx or __import__("contextlib").nullcontext, **step_settings)
         t2 = sync()
-        m = opd_step.micro_losses(cfg, student, batch, contexts, autocast)
+        m = opd_step.micro_losses(cfg.loss, student, batch, contexts, autocast, **step_settings)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -276,7 +281,8 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
         t4 = sync()
         if prof is not None:
             prof.__exit__(None, None, None)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60),
+                  flush=True)
             kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             print(json.dumps({"profiled_kernels": len(kernels), "kernel_s": sum(e.device_time for e in kernels) / 1e6,
                               "wall_s": t3 - t1}), flush=True)
@@ -320,7 +326,8 @@ def run_trl(args) -> dict:
     T = args.max_new_tokens or 7168
     torch.backends.cuda.enable_cudnn_sdp(False)  # as opdkit does (models.setup_torch): same attention kernels
     tok = stand_in_tokenizer(151936)
-    mcfg = shape_config("qwen2-1.5b", eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None, **dict(args.shape_kw))
+    mcfg = shape_config("qwen2-1.5b", eos_token_id=EOS_ID, pad_token_id=EOS_ID, bos_token_id=None,
+                        **dict(args.shape_kw))
     dtype = torch.bfloat16 if args.trl_bf16 else torch.float32
     student = random_model(mcfg, DEVICE, dtype, seed=0)
     teacher = random_model(mcfg, DEVICE, torch.bfloat16, seed=1).eval().requires_grad_(False)
@@ -334,8 +341,8 @@ def run_trl(args) -> dict:
         seed=0, dataloader_num_workers=0, shuffle_dataset=False, cache_implementation=args.trl_cache or None,
         max_grad_norm=1.0, use_cpu=DEVICE == "cpu",
     )
-    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=conf, train_dataset=Dataset.from_list(rows),
-                                  processing_class=tok)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=conf,
+                                  train_dataset=Dataset.from_list(rows), processing_class=tok)
     times: dict = {"generate_s": [], "step_s": [], "tokens": []}
     orig = trainer._generate_single_turn
 
@@ -370,10 +377,12 @@ def run_trl(args) -> dict:
     peak = peak_gib()
     # TRL scores with the teacher inside its loss: its "update" is teacher scoring + update
     steps = [{"step": i + 1, "step_s": s, "rollout_s": g, "update_s": s - g, "tokens": n, "decode_steps_per_s": T / g,
-              "peak_alloc_gib": peak} for i, (s, g, n) in enumerate(zip(times["step_s"], times["generate_s"], times["tokens"]))]
-    return {"what": "trl", "trl": trl.__version__, "student_dtype": str(dtype), "cache_implementation": conf.cache_implementation,
-            "gradient_checkpointing": True, "max_new_tokens": T, "steps": steps, "generate_s": times["generate_s"],
-            "generated_tokens": times["tokens"], "failure": failure, "peak_alloc_gib": peak}
+              "peak_alloc_gib": peak}
+             for i, (s, g, n) in enumerate(zip(times["step_s"], times["generate_s"], times["tokens"]))]
+    return {"what": "trl", "trl": trl.__version__, "student_dtype": str(dtype),
+            "cache_implementation": conf.cache_implementation, "gradient_checkpointing": True, "max_new_tokens": T,
+            "steps": steps, "generate_s": times["generate_s"], "generated_tokens": times["tokens"], "failure": failure,
+            "peak_alloc_gib": peak}
 
 
 def main(argv=None) -> int:
@@ -411,7 +420,8 @@ def main(argv=None) -> int:
     else:
         res = run_trl(args)
     res["wall_s"] = time.perf_counter() - t0
-    res["peak_alloc_gib_max"] = max([s.get("peak_alloc_gib", 0) for s in res.get("steps", [])] + [res.get("peak_alloc_gib", 0)])
+    res["peak_alloc_gib_max"] = max([s.get("peak_alloc_gib", 0) for s in res.get("steps", [])]
+                                    + [res.get("peak_alloc_gib", 0)])
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -174,9 +174,15 @@ def alignment_finding(check: str, cfg: Config, batch: opd.Batch, student, precis
                    f"{cfg.runtime.alignment_max_weight0_share:g})")
 
 
+def _step_settings(cfg: Config) -> dict:
+    """The settings ``step.score_batch`` and ``step.micro_losses`` read besides ``cfg.loss`` (the
+    doctor's batches: one teacher, the student's tokens)."""
+    return {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+
+
 def self_kl_finding(cfg: Config, student, batch: opd.Batch, ac, tol: float) -> Finding:
-    contexts = opd_step.score_batch(cfg, student, batch, ac)
-    m = opd_step.micro_losses(cfg, student, batch, contexts, ac)
+    contexts = opd_step.score_batch(cfg.loss, student, batch, ac, **_step_settings(cfg))
+    m = opd_step.micro_losses(cfg.loss, student, batch, contexts, ac, **_step_settings(cfg))
     student.zero_grad(set_to_none=True)
     kl = m["kl"]
     detail = (f"the student as its own teacher through the {cfg.loss.name} loss path: KL {kl:.2g} on "
@@ -198,7 +204,9 @@ def teacher_repeat_finding(cfg: Config, teacher, batch: opd.Batch, ac, tol: floa
     if teacher is None:
         return Finding("teacher repeat", SKIP, f"teacher.source={cfg.teacher.source}: the teacher is the student "
                        "(self KL checks it)")
-    first, second = (torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, teacher, batch, ac)]) for _ in range(2))
+    first, second = (torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg.loss, teacher, batch, ac,
+                                                                         **_step_settings(cfg))])
+                     for _ in range(2))
     m_B_T = batch.rollout.completion_mask_B_T.bool()
     d = float((first - second)[m_B_T].abs().max()) if m_B_T.any() else 0.0
     if d == 0.0:
@@ -227,7 +235,8 @@ def topk_finding(cfg: Config, student, teacher, batch: opd.Batch, ac) -> Finding
     check = "top-K mass"
     if teacher is None:
         return Finding(check, SKIP, "no teacher weights here to score the batch with")
-    m = opd_step.micro_losses(cfg, student, batch, opd_step.score_batch(cfg, teacher, batch, ac), ac)
+    contexts = opd_step.score_batch(cfg.loss, teacher, batch, ac, **_step_settings(cfg))
+    m = opd_step.micro_losses(cfg.loss, student, batch, contexts, ac, **_step_settings(cfg))
     student.zero_grad(set_to_none=True)
     key, what, fix, tail = TOPK_LOSSES[cfg.loss.name]
     detail = (f"loss.name={cfg.loss.name}, K={cfg.loss.topk} on {int(m['tokens'])} sampled tokens: teacher_mass "
@@ -277,11 +286,11 @@ def vllm_teacher_finding(cfg: Config, inputs: Inputs, teacher, batch: opd.Batch,
     log(f"scoring the batch with the vLLM teacher ({cfg.teacher.url or 'colocated engine'})")
     try:
         scorer = vllm_teacher.make_teachers(cfg, inputs, device, log)
-        got = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, scorer, batch, ac)])
+        got = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg.loss, scorer, batch, ac, **_step_settings(cfg))])
     except (vllm_teacher.VLLMTeacherError, ImportError, RuntimeError, ValueError) as e:
         return Finding(check, FAIL, f"the vLLM teacher could not score the batch: {type(e).__name__}: {e}",
                        "start the server (vllm serve DIR --max-logprobs K) or install vLLM; see the message")
-    want = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg, teacher, batch, ac)])
+    want = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg.loss, teacher, batch, ac, **_step_settings(cfg))])
     m_B_T = batch.rollout.completion_mask_B_T.bool()
     d_N = (got.to(want.device) - want)[m_B_T].abs()
     d_max, d_mean = (float(d_N.max()), float(d_N.mean())) if d_N.numel() else (0.0, 0.0)

@@ -215,8 +215,9 @@ class Pool:
 
     # --- the teacher's side --------------------------------------------------------------------
 
-    def score(self, cfg, batch, row_sets) -> list[TeacherScores]:
-        """The stored teacher scores of the step ``sample`` served, for each of ``row_sets``."""
+    def score(self, k: int, batch, row_sets) -> list[TeacherScores]:
+        """The stored teacher scores of the step ``sample`` served, for each of ``row_sets`` (``k``, the top-K the
+        step asks for, was fixed when the pool was drawn)."""
         if self._served is None or batch.rollout is not self._served[0]:
             raise RuntimeError("offline pool: the batch scored is not the one the pool served last (a bug)")
         stored = self._served[1]

@@ -70,7 +70,8 @@ def draw_pool(cfg: Config, policy: str | None, out: str | Path, n_prompts: int =
                                max_new_tokens=R.max_new_tokens, logprobs=True)
         t1 = time.monotonic()
         batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp, cfg.data.pad_side)
-        contexts = opd_step.score_batch(scfg, run.teacher, batch, run.autocast)
+        contexts = opd_step.score_batch(scfg.loss, run.teacher, batch, run.autocast, rollout=scfg.rollout,
+                                        runtime=scfg.runtime, micro_batch=scfg.optim.micro_batch)
         secs["rollout"] += t1 - t0
         secs["score"] += time.monotonic() - t1
         ctx = {k: torch.cat([getattr(c, k) for c in contexts]).cpu()

@@ -4,9 +4,15 @@
 them: budgets, signals, saves, train.jsonl)::
 
     batch, reward, lag = step.draw(cfg, inputs, run, sampling, world, i, data_pos, check, ...)
-    scores = step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
-    m, n_tok, n_seq, n_trunc = step.loss_and_backward(cfg, run, world, batch, scores, reward)
+    scores = step.score_batch(cfg.loss, run.teacher, batch, run.autocast, run.teacher_ctx, rollout=cfg.rollout, ...)
+    m, n_tok, n_seq, n_trunc = step.loss_and_backward(cfg.loss, run, world, batch, scores, reward, rollout=..., ...)
     grad_norm, bad, skips = step.update(run, sampling.engine, m, i + 1, skips, log, grad_clip=..., ...)
+
+Each function takes what it reads of the params, not the whole ``Config``: the loss's section first
+(``loss``: it decides what the teacher scores and what the loss computes), the other sections or
+values by keyword (``rollout``, ``runtime``, ``micro_batch``, ``teacher_names``, ...), the step's data
+positionally. ``draw`` and ``check_alignment`` take the ``Config``: they hand it on (to
+``rewards.attach`` and ``schedules.should_stop``; to ``opd.alignment_report`` and ``opd.check_precision``).
 
 1. **Rollout** (``draw``): P prompts x G samples from the student (the sft control: from the
    teacher, or the reference solutions), laid out with the teacher's view of the same completions
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from opdkit import distributed, guards, loss_table, losses, offline, opd, rewards, teachers
-from opdkit.config import Config
+from opdkit.config import Config, DataConfig, LossConfig, RolloutConfig, RuntimeConfig, TeacherConfig
 from opdkit.data import prompt_indices
 from opdkit.engines.base import left_pad
 from opdkit.engines.sampling import policy_logits
@@ -61,12 +67,15 @@ class Sampling:
 # --- 1. rollout -------------------------------------------------------------------------------
 
 
-def step_batch(cfg: Config, inputs: Inputs, run: Run, mine: slice, step_i: int, pos: int):
-    """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on)."""
-    P, G = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-    rows = prompt_indices(cfg.seed, len(inputs.examples), pos, P, cfg.data.order, cfg.data.hf_order)
+def step_batch(inputs: Inputs, run: Run, mine: slice, step_i: int, pos: int, *, seed: int, data: DataConfig,
+               rollout: RolloutConfig):
+    """This rank's examples, prompts and sample seeds of step ``step_i`` (0-based; data rows ``pos`` on):
+    P = ``rollout.prompts_per_step`` prompts in ``data.order`` from the params' ``seed``, G =
+    ``rollout.samples_per_prompt`` seeds each."""
+    P, G = rollout.prompts_per_step, rollout.samples_per_prompt
+    rows = prompt_indices(seed, len(inputs.examples), pos, P, data.order, data.hf_order)
     examples = [inputs.examples[i] for i in rows][mine]
-    seeds = opd.step_seeds(cfg.seed, step_i, len(examples) * G, offset=mine.start * G)
+    seeds = opd.step_seeds(seed, step_i, len(examples) * G, offset=mine.start * G)
     return examples, run.prompts(examples), seeds
 
 
@@ -77,10 +86,12 @@ def draw(cfg: Config, inputs: Inputs, run: Run, sampling: Sampling, world: distr
     teacher's view of them, and their rewards (None at λ = 0). With rollout.overlap the batch was
     drawn during the previous step, and the next step's is started here. Returns (batch, reward,
     lag): lag = updates between the weights that drew the batch and those it trains. ``check``: the
-    step's alignment check reads the sampling log-probs."""
+    step's alignment check reads the sampling log-probs. ``cfg``: the whole params (``rewards.attach``
+    and ``schedules.should_stop`` take them)."""
     R, G, engine = cfg.rollout, cfg.rollout.samples_per_prompt, sampling.engine
     pad_id = run.tokenizer.pad_token_id
-    examples, prompts, seeds = step_batch(cfg, inputs, run, sampling.mine, step, data_pos)
+    examples, prompts, seeds = step_batch(inputs, run, sampling.mine, step, data_pos, seed=cfg.seed, data=cfg.data,
+                                          rollout=R)
     lag = 0
     settings = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
     if loss_table.samples_from(cfg.loss) == "reference":
@@ -93,8 +104,9 @@ def draw(cfg: Config, inputs: Inputs, run: Run, sampling: Sampling, world: distr
         if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
             lag = engine.lag
             if not should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s, save_s):
-                _, next_prompts, next_seeds = step_batch(cfg, inputs, run, sampling.mine, step + 1,
-                                                     data_pos + R.prompts_per_step)
+                _, next_prompts, next_seeds = step_batch(inputs, run, sampling.mine, step + 1,
+                                                         data_pos + R.prompts_per_step, seed=cfg.seed, data=cfg.data,
+                                                         rollout=R)
                 engine.prefetch(next_prompts, seeds=next_seeds, logprobs=sampling.reads_logp, **settings)
     if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
         t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
@@ -112,17 +124,18 @@ def draw(cfg: Config, inputs: Inputs, run: Run, sampling: Sampling, world: distr
     return batch, reward, lag
 
 
-def alignment_due(cfg: Config, step: int, first_step: int) -> bool:
-    """Whether step ``step + 1`` runs the alignment check: the first batch of every start, and with
-    ``runtime.alignment_every`` = N > 0 every N-th step too."""
-    every = cfg.runtime.alignment_every
-    return cfg.runtime.alignment_check and (step == first_step or bool(every and (step + 1) % every == 0))
+def alignment_due(step: int, first_step: int, *, runtime: RuntimeConfig) -> bool:
+    """Whether step ``step + 1`` runs the alignment check (``runtime.alignment_check``): the first batch
+    of every start (``first_step``), and with ``runtime.alignment_every`` = N > 0 every N-th step too."""
+    every = runtime.alignment_every
+    return runtime.alignment_check and (step == first_step or bool(every and (step + 1) % every == 0))
 
 
 def check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, step: int, log) -> dict | None:
     """On the first batch of a start (and every ``runtime.alignment_every`` steps): the sampler's
     log-probs against the loss's recomputation (``opd.alignment_report``; ``AlignmentError`` stops
-    the run). The report, or None if not run."""
+    the run). The report, or None if not run. ``cfg``: the whole params (``opd.alignment_report`` and
+    ``opd.check_precision`` take them)."""
     align = None
     if lag:
         log(f"alignment check skipped at step {step + 1}: its batch was drawn (rollout.overlap=1) by the weights one "
@@ -152,61 +165,72 @@ def check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, step: int
 # --- 2. teacher scoring ----------------------------------------------------------------------
 
 
-def micro_slices(cfg: Config, batch: opd.Batch) -> list[slice]:
-    """The step's micro-batches (``optim.micro_batch`` rows each; 0: one)."""
+def micro_slices(batch: opd.Batch, micro_batch: int) -> list[slice]:
+    """The step's micro-batches: ``micro_batch`` rows each (``optim.micro_batch``; 0: one of all B rows)."""
     B = batch.rollout.completion_ids_B_T.shape[0]
-    mb = cfg.optim.micro_batch or B
+    mb = micro_batch or B
     return [slice(s, min(B, s + mb)) for s in range(0, B, mb)]
 
 
-def score_batch(cfg: Config, teacher, batch: opd.Batch, autocast, teacher_ctx_manager=contextlib.nullcontext) -> list:
-    """Teacher scoring of every micro-batch of the step (no grad). ``teacher``: an HF model, a
-    ``teachers.TeacherSet`` (each row scored by the teacher it names) or a teacher that scores
-    elsewhere (``engines.vllm_teacher``: one call for the step's rows)."""
+def score_batch(loss: LossConfig, teacher, batch: opd.Batch, autocast, teacher_ctx_manager=contextlib.nullcontext, *,
+                rollout: RolloutConfig, runtime: RuntimeConfig, micro_batch: int) -> list:
+    """Teacher scoring of every micro-batch of the step (no grad): ``teacher_context`` of each of
+    ``micro_slices(batch, micro_batch)``, what loss ``loss`` needs at rollout settings ``rollout``
+    (``loss_table.teacher_need``). ``teacher``: an HF model, a ``teachers.TeacherSet`` (each row
+    scored by the teacher it names) or a teacher that scores elsewhere (``engines.vllm_teacher``: one
+    call for the step's rows). ``runtime``: ``logprob_chunk`` and ``unpadded_rows`` of the teacher's pass."""
+    slices = micro_slices(batch, micro_batch)
     with autocast():
         if batch.xtok is not None:  # teacher.tokenizer=own: the teacher scores its own tokens, moved onto the student's
             from opdkit import xtok_loss
 
             t_view = batch.xtok.teacher
             view = opd.Batch(t_view, t_view.prompt_ids_B_Sp, t_view.prompt_mask_B_Sp)
-            slices = micro_slices(cfg, batch)
-            return [xtok_loss.to_student(ctx, batch.xtok, rows)
-                    for ctx, rows in zip(score_rows(cfg, teacher, view, slices, teacher_ctx_manager), slices)]
-        return score_rows(cfg, teacher, batch, micro_slices(cfg, batch), teacher_ctx_manager)
+            scored = score_rows(loss, teacher, view, slices, teacher_ctx_manager, rollout=rollout, runtime=runtime)
+            return [xtok_loss.to_student(ctx, batch.xtok, rows) for ctx, rows in zip(scored, slices)]
+        return score_rows(loss, teacher, batch, slices, teacher_ctx_manager, rollout=rollout, runtime=runtime)
 
 
 @torch.no_grad()
-def score_rows(cfg: Config, teacher, batch: opd.Batch, row_sets: list,
-               teacher_ctx_manager=contextlib.nullcontext) -> list:
+def score_rows(loss: LossConfig, teacher, batch: opd.Batch, row_sets: list,
+               teacher_ctx_manager=contextlib.nullcontext, *, rollout: RolloutConfig,
+               runtime: RuntimeConfig) -> list:
     """``teacher_context`` of each of ``row_sets`` (slices or index tensors of the batch's rows). A
     sharded teacher scoring row by row (``runtime.unpadded_rows``) gathers each layer once per row
-    set, not once per row."""
-    if loss_table.teacher_need(cfg.loss, cfg.rollout) == "none":
+    set, not once per row. A teacher that scores elsewhere gets one call, ``teacher.score(k, batch,
+    row_sets)``: k = ``loss.topk`` where the loss reads the teacher's top-K, else 0 (sampled tokens only)."""
+    need = loss_table.teacher_need(loss, rollout)
+    if need == "none":
         return [None] * len(row_sets)
     if isinstance(teacher, teachers.TeacherSet):  # --- several teachers: each scores the rows naming it
         subsets = teachers.split_rows(batch, row_sets, len(teacher.members))
-        per_teacher = {i: score_rows(cfg, member, batch, [idx for idx in sub if idx.numel()], teacher_ctx_manager)
+        per_teacher = {i: score_rows(loss, member, batch, [idx for idx in sub if idx.numel()], teacher_ctx_manager,
+                                     rollout=rollout, runtime=runtime)
                        for i, (member, sub) in enumerate(zip(teacher.members, subsets))}
         return teachers.merge(batch, row_sets, per_teacher)
     if not isinstance(teacher, torch.nn.Module):
-        return teacher.score(cfg, batch, row_sets)
-    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
+        return teacher.score(loss.topk if need == "topk" else 0, batch, row_sets)
+    gather_once = layers_gathered if runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
     out = []
     for rows in row_sets:
         with gather_once(teacher):
-            out.append(teacher_context(cfg, teacher, batch, rows, teacher_ctx_manager))
+            out.append(teacher_context(loss, teacher, batch, rows, teacher_ctx_manager, rollout=rollout,
+                                       runtime=runtime))
     return out
 
 
 @torch.no_grad()
-def teacher_context(cfg: Config, teacher, batch: opd.Batch, rows: slice,
-                    teacher_ctx_manager=contextlib.nullcontext) -> TeacherScores | None:
-    """What the loss needs from the teacher for micro-batch ``rows`` (``loss_table.teacher_need``;
-    None if nothing): sampled-token log-probs always, plus top-K or the hidden states (full). For
-    ``recorded`` (sft on samples the teacher drew at temperature 1, top-p 1) the log-probs are the
-    ones the rollout recorded, with no teacher pass. A teacher on another device (``teacher.device``)
-    scores there; its outputs come to the batch's."""
-    need = loss_table.teacher_need(cfg.loss, cfg.rollout)
+def teacher_context(loss: LossConfig, teacher, batch: opd.Batch, rows: slice,
+                    teacher_ctx_manager=contextlib.nullcontext, *, rollout: RolloutConfig,
+                    runtime: RuntimeConfig) -> TeacherScores | None:
+    """What loss ``loss`` needs from the teacher for micro-batch ``rows`` at rollout settings
+    ``rollout`` (``loss_table.teacher_need``; None if nothing): sampled-token log-probs always, plus
+    the top-K (K = ``loss.topk``) or the hidden states (full). For ``recorded`` (sft on samples the
+    teacher drew at temperature 1, top-p 1) the log-probs are the ones the rollout recorded, with no
+    teacher pass. A teacher on another device (``teacher.device``) scores there; its outputs come to
+    the batch's. ``runtime``: ``unpadded_rows`` (row by row) and ``logprob_chunk`` (positions per
+    log-softmax chunk)."""
+    need = loss_table.teacher_need(loss, rollout)
     if need == "none":
         return None
     ro = batch.rollout
@@ -215,12 +239,11 @@ def teacher_context(cfg: Config, teacher, batch: opd.Batch, rows: slice,
     t_dev = teachers.device_of(teacher)
     with teacher_ctx_manager():
         _, head = unwrap(teacher)
-        h_B_T_H = completion_hidden(teacher, opd.teacher_geometry(batch, rows).to(t_dev), cfg.runtime.unpadded_rows)
+        h_B_T_H = completion_hidden(teacher, opd.teacher_geometry(batch, rows).to(t_dev), runtime.unpadded_rows)
         ids_B_T = ro.completion_ids_B_T[rows].to(t_dev)
-        ctx = TeacherScores(token_logprobs(head, h_B_T_H, ids_B_T, cfg.runtime.logprob_chunk), head=head)
+        ctx = TeacherScores(token_logprobs(head, h_B_T_H, ids_B_T, runtime.logprob_chunk), head=head)
         if need == "topk":
-            ctx.topk_ids_B_T_K, ctx.topk_logp_B_T_K = topk_logprobs(head, h_B_T_H, cfg.loss.topk,
-                                                                    cfg.runtime.logprob_chunk)
+            ctx.topk_ids_B_T_K, ctx.topk_logp_B_T_K = topk_logprobs(head, h_B_T_H, loss.topk, runtime.logprob_chunk)
         elif need == "full":
             ctx.hidden_B_T_H = h_B_T_H
     return teachers.to_device(ctx, teacher, ro.completion_ids_B_T.device)
@@ -229,23 +252,29 @@ def teacher_context(cfg: Config, teacher, batch: opd.Batch, rows: slice,
 # --- 3. loss and backward --------------------------------------------------------------------
 
 
-def loss_and_backward(cfg: Config, run: Run, world: distributed.World, batch: opd.Batch, contexts, reward):
+def loss_and_backward(loss: LossConfig, run: Run, world: distributed.World, batch: opd.Batch, contexts, reward, *,
+                      rollout: RolloutConfig, runtime: RuntimeConfig, micro_batch: int,
+                      teacher_names: tuple[str, ...], vocab_map: str):
     """Loss + backward, micro-batched, as a token mean over the whole step (FSDP averages gradients
-    over ranks, hence / world.size). Returns (metrics reduced over ranks, tokens, sequences,
-    truncated sequences), the counts summed over ranks."""
-    rollout = batch.rollout
-    n_tok, n_seq, n_trunc = world.sum(rollout.n_tokens, rollout.completion_ids_B_T.shape[0],
-                                      int(rollout.truncated_B.sum()))
-    m = micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+    over ranks, hence / world.size): ``micro_losses`` (its arguments: ``loss`` and the keywords), then
+    the metrics reduced over ranks, per teacher of ``teacher_names`` (the names of ``teachers``; ()
+    with one teacher) and with the reward's (``reward``: ``rewards.attach``'s sums, None at λ = 0).
+    Returns (metrics, tokens, sequences, truncated sequences), the counts summed over ranks."""
+    ro = batch.rollout
+    n_tok, n_seq, n_trunc = world.sum(ro.n_tokens, ro.completion_ids_B_T.shape[0], int(ro.truncated_B.sum()))
+    m = micro_losses(loss, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size, rollout=rollout,
+                     runtime=runtime, micro_batch=micro_batch, teacher_names=teacher_names, vocab_map=vocab_map)
     m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
     m = distributed.reduce_metrics(m, world)
-    m = rewards.finish_metrics(reward, teachers.finish_metrics(m, tuple(t.name for t in cfg.teachers)))
+    m = rewards.finish_metrics(reward, teachers.finish_metrics(m, teacher_names))
     return m, n_tok, n_seq, n_trunc
 
 
-def micro_losses(cfg: Config, student, batch: opd.Batch, contexts: list, autocast,
-                 n_tokens: float | None = None) -> dict:
-    """Forward + backward of the whole step in micro-batches; returns combined metrics.
+def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, autocast,
+                 n_tokens: float | None = None, *, rollout: RolloutConfig, runtime: RuntimeConfig, micro_batch: int,
+                 teacher_names: tuple[str, ...] = (), vocab_map: str = TeacherConfig.vocab_map) -> dict:
+    """Forward + backward of the whole step in micro-batches (``micro_slices(batch, micro_batch)``)
+    through loss ``loss`` (``chunk_loss``); returns combined metrics.
 
     ``contexts`` are ``score_batch``'s per-micro-batch teacher outputs. Gradients accumulate in
     ``student``'s parameters; the loss is the token mean over the whole step (every micro-batch
@@ -262,32 +291,39 @@ def micro_losses(cfg: Config, student, batch: opd.Batch, contexts: list, autocas
     layer is gathered once for all rows (``layers_gathered``). Per micro-batch that is one
     all-gather of the root, two of each layer (forward, backward) and one reduce-scatter of each
     unit with trainable parameters.
+
+    The settings: ``rollout`` (the student policy the loss differentiates: ``loss_table.update_policy``),
+    ``runtime`` (``logprob_chunk``: positions per chunk; ``unpadded_rows``), ``micro_batch``
+    (``optim.micro_batch``), ``teacher_names`` (the names of ``teachers``, in order, whose rows
+    ``Batch.teacher_B`` numbers; () with one teacher) and ``vocab_map`` (``teacher.vocab_map``, read
+    with ``teacher.tokenizer=own`` and a full-distribution loss).
     """
     ro = batch.rollout
     n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
-    chunk = cfg.runtime.logprob_chunk
-    gather_once = layers_gathered if cfg.runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
+    chunk = runtime.logprob_chunk
+    gather_once = layers_gathered if runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
     parts, total = [], 0.0
     _, s_head = unwrap(student)
-    slices = micro_slices(cfg, batch)
+    slices = micro_slices(batch, micro_batch)
     check_same_on_ranks(student, len(slices), "micro-batches")
     for rows, t_ctx in zip(slices, contexts):
         with autocast(), gather_once(student):
-            h_B_T_H = completion_hidden(student, opd.student_geometry(batch, rows), cfg.runtime.unpadded_rows)
+            h_B_T_H = completion_hidden(student, opd.student_geometry(batch, rows), runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
         if t_ctx is not None and t_ctx.cross_tokenizer:  # teacher.tokenizer=own: t~ of merged spans' tokens
             from opdkit import xtok_loss  # (a no-grad pass of the head, the root still gathered: no collective)
 
             with autocast():
                 t_ctx = xtok_loss.with_student_rest(t_ctx, s_head, h_leaf, batch.rollout.completion_ids_B_T[rows],
-                                                    chunk, *loss_table.update_policy(cfg.loss, cfg.rollout))
+                                                    chunk, *loss_table.update_policy(loss, rollout))
         with deferred_grad_sync(student):
             for s in range(0, h_leaf.shape[1], chunk):
                 sl = slice(s, s + chunk)
                 with autocast():
-                    loss, m = chunk_loss(cfg, h_leaf[:, sl], s_head, t_ctx, sl, batch, rows, n_tokens)
-                loss.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
-                total += float(loss.detach())
+                    loss_C, m = chunk_loss(loss, h_leaf[:, sl], s_head, t_ctx, sl, batch, rows, n_tokens,
+                                           rollout=rollout, teacher_names=teacher_names, vocab_map=vocab_map)
+                loss_C.backward()  # into h_leaf.grad and the head's parameters; frees this chunk's logits
+                total += float(loss_C.detach())
                 parts.append(m)
         with gather_once(student):
             h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch: gradients reduced here
@@ -296,16 +332,20 @@ def micro_losses(cfg: Config, student, batch: opd.Batch, contexts: list, autocas
     return out
 
 
-def chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: opd.Batch, rows: slice, n_tokens: float):
-    """Loss and metrics of positions ``sl`` of micro-batch ``rows``: the loss's declared inputs
+def chunk_loss(L: LossConfig, h_s_B_C_H, s_head, t_ctx, sl, batch: opd.Batch, rows: slice, n_tokens: float, *,
+               rollout: RolloutConfig, teacher_names: tuple[str, ...] = (),
+               vocab_map: str = TeacherConfig.vocab_map):
+    """Loss and metrics of positions ``sl`` of micro-batch ``rows``: loss config ``L``'s declared inputs
     (``opdkit.loss_table``) made for this chunk, then its function (with several teachers, once per
-    teacher on its rows: the per-teacher metrics); plus the reward's term (``opdkit.rewards``)."""
-    L = cfg.loss
+    teacher of ``teacher_names`` on its rows: the per-teacher metrics); plus the reward's term
+    (``opdkit.rewards``). ``h_s_B_C_H``: the student's hidden states of the chunk; ``rollout``: the
+    policy's temperature and top-p (``loss_table.update_policy``); ``vocab_map``: ``teacher.vocab_map``
+    (cross-tokenizer full-distribution losses)."""
     spec = loss_table.spec(L.name)
     ro = batch.rollout
     ids_B_C = ro.completion_ids_B_T[rows, sl]
     # the student policy the loss differentiates (loss_table.update_policy): tempered, top-p-truncated
-    logits_B_C_V = policy_logits(s_head(h_s_B_C_H).float(), *loss_table.update_policy(L, cfg.rollout))
+    logits_B_C_V = policy_logits(s_head(h_s_B_C_H).float(), *loss_table.update_policy(L, rollout))
 
     def teacher_full_B_C_V():
         with torch.no_grad():
@@ -327,13 +367,13 @@ def chunk_loss(cfg: Config, h_s_B_C_H, s_head, t_ctx, sl, batch: opd.Batch, rows
         reward_B_C = (L.reward_weight * batch.reward_adv_B[rows])[:, None].expand(ids_B_C.shape)
     kwargs = spec.params(L) | ({"reward_adv_B_T": reward_B_C} if reward_B_C is not None and spec.reward == "advantage"
                                else {})
-    groups = teachers.row_groups(cfg, batch, rows)  # None: one teacher for every row
+    groups = teachers.row_groups(teacher_names, batch, rows)  # None: one teacher for every row
     on_student = loss_table.samples_from(L) == "student"
     xtok = t_ctx is not None and t_ctx.cross_tokenizer  # teacher.tokenizer=own (opdkit.xtok_loss)
     if xtok and spec.teacher == "full":
         from opdkit import xtok_loss
 
-        proj = xtok_loss.make_projection(batch.xtok.pair, cfg.teacher.vocab_map, logits_B_C_V.device)
+        proj = xtok_loss.make_projection(batch.xtok.pair, vocab_map, logits_B_C_V.device)
         loss, m = xtok_loss.full_loss(L.name, logits_B_C_V, teacher_full_B_C_V(), make["logp_B_T"](),
                                       make["teacher_logp_B_T"](), t_ctx.xtok_one_B_T[:, sl],
                                       t_ctx.xtok_len_B_T[:, sl], make["mask_B_T"](), n_tokens, proj, **kwargs)

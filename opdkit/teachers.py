@@ -161,13 +161,15 @@ def full_logprobs(ctx: TeacherScores, sl) -> torch.Tensor:
     return out
 
 
-def row_groups(cfg, batch, rows) -> dict[str, torch.Tensor] | None:
-    """Several teachers: each teacher's rows within micro-batch ``rows`` (local indices), by name,
-    those with no row left out; None with one teacher."""
+def row_groups(names: tuple[str, ...], batch, rows) -> dict[str, torch.Tensor] | None:
+    """Several teachers: each teacher's rows within micro-batch ``rows`` (local indices), by name
+    (``names``: the names of ``teachers``, in order: ``Batch.teacher_B`` numbers them), those with no
+    row left out; None with one teacher."""
     if batch.teacher_B is None:
         return None
+    if not names:
+        raise ValueError("a batch of several teachers' rows (Batch.teacher_B) needs their names (teacher_names)")
     t_b = batch.teacher_B[rows]
-    names = [t.name for t in cfg.teachers]
     return {names[i]: (t_b == i).nonzero()[:, 0] for i in range(len(names)) if bool((t_b == i).any())}
 
 

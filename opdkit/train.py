@@ -420,7 +420,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 try:
                     with interrupt.deadline(None if left is None else time.monotonic() + left):
                         # 1. rollout, 2. teacher scoring, 3. loss + backward, 4. update
-                        check = opd_step.alignment_due(cfg, step, first_step)
+                        check = opd_step.alignment_due(step, first_step, runtime=cfg.runtime)
                         batch, reward, lag = opd_step.draw(cfg, inputs, run, lp.sampling, world, step, data_pos, check,
                                                            elapsed, last_step_s, save_s)
                 except interrupt.StepAbandoned as e:
@@ -445,7 +445,9 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             align = opd_step.check_alignment(cfg, run, batch, lag, step, log) if check else None
             at.phase = "score"
             try:
-                contexts = opd_step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+                contexts = opd_step.score_batch(cfg.loss, run.teacher, batch, run.autocast, run.teacher_ctx,
+                                                rollout=cfg.rollout, runtime=cfg.runtime,
+                                                micro_batch=cfg.optim.micro_batch)
             except Exception as e:  # a teacher in a process of its own (vLLM) may stop on the same signal as we did
                 if world.active or cfg.rollout.overlap or not interrupt.requested():
                     raise
@@ -458,7 +460,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                 break
             t2 = _clock(run.device)
             at.phase = "update"
-            m, n_tok, n_seq, n_trunc = opd_step.loss_and_backward(cfg, run, world, batch, contexts, reward)
+            m, n_tok, n_seq, n_trunc = opd_step.loss_and_backward(
+                cfg.loss, run, world, batch, contexts, reward, rollout=cfg.rollout, runtime=cfg.runtime,
+                micro_batch=cfg.optim.micro_batch, teacher_names=tuple(t.name for t in cfg.teachers),
+                vocab_map=cfg.teacher.vocab_map)
             grad_norm, bad, skips = opd_step.update(
                 run, lp.sampling.engine, m, step + 1, skips, log, grad_clip=cfg.optim.grad_clip,
                 on_nonfinite=cfg.runtime.on_nonfinite, max_skips=cfg.runtime.max_nonfinite_skips,

@@ -119,10 +119,12 @@ def one_step(cfg, run, batch: opd.Batch, world: distributed.World) -> dict:
     collectives counted (over the whole update, and in ``micro_losses``), this rank's T and chunk
     count, and ``grads``: the clipped gradients the optimizer stepped with, full (unsharded) tensors."""
     with count_collectives() as counts:
-        contexts = opd_step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+        settings = {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+        contexts = opd_step.score_batch(cfg.loss, run.teacher, batch, run.autocast, run.teacher_ctx, **settings)
         (n_tok,) = world.sum(batch.rollout.n_tokens)
         with record_function("opdkit:micro_losses"):
-            m = opd_step.micro_losses(cfg, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size)
+            m = opd_step.micro_losses(cfg.loss, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size,
+                                      **settings)
         m = distributed.reduce_metrics(m, world)
         trainable = [p for p in run.student.parameters() if p.requires_grad]
         m["grad_norm"] = distributed.clip_grad_norm_(trainable, cfg.optim.grad_clip)

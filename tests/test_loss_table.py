@@ -48,7 +48,7 @@ def test_the_step_scores_what_the_table_says(name, tiny_llama, tok):
     ro = HFEngine(tiny_llama, tok).sample(ids, samples_per_prompt=1, seeds=[1, 2], temperature=1.0, top_p=1.0,
                                           max_new_tokens=6)
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    ctx = opd_step.teacher_context(cfg, tiny_llama, batch, slice(None))
+    ctx = opd_step.teacher_context(cfg.loss, tiny_llama, batch, slice(None), rollout=cfg.rollout, runtime=cfg.runtime)
     want = {"recorded": {"logp_B_T"}, "token": {"logp_B_T", "head"},
             "topk": {"logp_B_T", "head", "topk_ids_B_T_K", "topk_logp_B_T_K"},
             "full": {"logp_B_T", "head", "hidden_B_T_H"}}[loss_table.teacher_need(cfg.loss, cfg.rollout)]
@@ -56,13 +56,15 @@ def test_the_step_scores_what_the_table_says(name, tiny_llama, tok):
     if name == "sft":
         ref = replace(cfg, "loss.sft_source=reference")
         assert loss_table.teacher_need(ref.loss, ref.rollout) == "none"
-        assert opd_step.teacher_context(ref, tiny_llama, batch, slice(None)) is None
+        assert opd_step.teacher_context(ref.loss, tiny_llama, batch, slice(None), rollout=ref.rollout,
+                                        runtime=ref.runtime) is None
         # teacher samples at temperature 1, top-p 1: the recorded log-probs, equal to a teacher pass over them
         # (here the sampler, tiny_llama, is the teacher; the pass runs when the rollout settings are others)
         assert loss_table.teacher_need(cfg.loss, cfg.rollout) == "recorded"
         tempered = replace(cfg, "rollout.temperature=0.6")
         assert loss_table.teacher_need(tempered.loss, tempered.rollout) == "token"
-        scored = opd_step.teacher_context(tempered, tiny_llama, batch, slice(None)).logp_B_T
+        scored = opd_step.teacher_context(tempered.loss, tiny_llama, batch, slice(None), rollout=tempered.rollout,
+                                          runtime=tempered.runtime).logp_B_T
         m = ro.completion_mask_B_T.bool()
         assert torch.equal(ctx.logp_B_T, ro.sampling_logp_B_T)
         torch.testing.assert_close(ctx.logp_B_T[m], scored[m], atol=1e-5, rtol=0)

@@ -107,7 +107,9 @@ def test_step_2_trains_on_the_pools_batch(tmp_path, ratio):
                        max_new_tokens=c.rollout.max_new_tokens)
     assert ro.completion_ids_B_T.shape[0] == P * G
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    m = opd_step.micro_losses(c, r.student, batch, opd_step.score_batch(c, served, batch, r.autocast), r.autocast)
+    kw = {"rollout": c.rollout, "runtime": c.runtime, "micro_batch": c.optim.micro_batch}
+    m = opd_step.micro_losses(c.loss, r.student, batch, opd_step.score_batch(c.loss, served, batch, r.autocast, **kw),
+                              r.autocast, **kw)
     assert abs(m["loss"] - off[1]["loss"]) < 1e-6 and abs(m["kl"] - off[1]["kl"]) < 1e-6
     if ratio == "behaviour":
         assert off[1]["ratio_max"] > 1.0 + 1e-4  # the stored log-probs are θ0's

@@ -76,7 +76,9 @@ def test_step_2_trains_on_the_batch_the_initial_weights_drew(tmp_path, extra):
     theta1 = load_file(tmp_path / "on" / "checkpoints" / "checkpoint-1" / "model.safetensors")
     assert not r.student.load_state_dict(theta1, strict=False).unexpected_keys  # θ1 (the same in both runs)
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    m = opd_step.micro_losses(c, r.student, batch, opd_step.score_batch(c, r.teacher, batch, r.autocast), r.autocast)
+    kw = {"rollout": c.rollout, "runtime": c.runtime, "micro_batch": c.optim.micro_batch}
+    contexts = opd_step.score_batch(c.loss, r.teacher, batch, r.autocast, **kw)
+    m = opd_step.micro_losses(c.loss, r.student, batch, contexts, r.autocast, **kw)
     assert abs(m["loss"] - off[1]["loss"]) < 1e-6 and abs(m["kl"] - off[1]["kl"]) < 1e-6
     if c.loss.name == "k1":
         assert off[1]["ratio_max"] > 1.0 + 1e-4  # the behaviour log-probs are θ0's
@@ -132,9 +134,10 @@ def test_a_loss_that_reads_log_probs_the_engine_did_not_record_stops_loudly(tiny
                                           max_new_tokens=6)
     ro.sampling_logp_B_T = None  # as vLLM returns it when asked for none
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    ctx = opd_step.score_batch(c, tiny_llama, batch, contextlib.nullcontext)
+    kw = {"rollout": c.rollout, "runtime": c.runtime, "micro_batch": c.optim.micro_batch}
+    ctx = opd_step.score_batch(c.loss, tiny_llama, batch, contextlib.nullcontext, **kw)
     with pytest.raises(ValueError, match="without its sampling log-probs"):
-        opd_step.micro_losses(c, tiny_llama, batch, ctx, contextlib.nullcontext)
+        opd_step.micro_losses(c.loss, tiny_llama, batch, ctx, contextlib.nullcontext, **kw)
 
 
 # --- the wrapper on its own, with a stand-in engine ------------------------------------------

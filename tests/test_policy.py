@@ -240,8 +240,9 @@ def test_the_training_step_differentiates_the_sampling_policy(tiny_llama, tok, n
     ro = HFEngine(student, tok).sample(prompts, samples_per_prompt=2, seeds=[1, 2, 3, 4], temperature=0.6, top_p=0.9,
                                        max_new_tokens=12)
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    ctx = opd_step.score_batch(cfg, teacher, batch, __import__("contextlib").nullcontext)
-    m = opd_step.micro_losses(cfg, student, batch, ctx, __import__("contextlib").nullcontext)
+    kw = {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+    ctx = opd_step.score_batch(cfg.loss, teacher, batch, __import__("contextlib").nullcontext, **kw)
+    m = opd_step.micro_losses(cfg.loss, student, batch, ctx, __import__("contextlib").nullcontext, **kw)
     got_grad = student.lm_head.weight.grad.clone()
     student.zero_grad()
 

@@ -44,7 +44,8 @@ def _teacher_scores(source, state):
                                                      temperature=1.0, top_p=1.0, max_new_tokens=16)
     priv = run.prompts(examples, privileged=True)
     t_ids, t_mask = left_pad(priv, run.tokenizer.pad_token_id)
-    ctx = opd_step.teacher_context(cfg, run.teacher, opd.Batch(ro, t_ids, t_mask), slice(None), run.teacher_ctx)
+    ctx = opd_step.teacher_context(cfg.loss, run.teacher, opd.Batch(ro, t_ids, t_mask), slice(None), run.teacher_ctx,
+                                   rollout=cfg.rollout, runtime=cfg.runtime)
     rows = []
     for b, p in enumerate(priv):  # (teacher score, the student's own, the frozen base's) per token
         n = int(ro.completion_mask_B_T[b].sum())

@@ -231,8 +231,9 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
         results = []
         for s_model, t_model in ((student, teacher), (student_cut, teacher_cut)):
             s_model.zero_grad(set_to_none=True)
-            contexts = opd_step.score_batch(cfg, t_model, batch, contextlib.nullcontext)
-            m = opd_step.micro_losses(cfg, s_model, batch, contexts, contextlib.nullcontext)
+            kw = {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+            contexts = opd_step.score_batch(cfg.loss, t_model, batch, contextlib.nullcontext, **kw)
+            m = opd_step.micro_losses(cfg.loss, s_model, batch, contexts, contextlib.nullcontext, **kw)
             grads = dict(s_model.named_parameters())
             results.append((m, {k: grads[k].grad.clone() for k in probe}, grads["lm_head.weight"].grad.clone()))
         (m_a, g_a, head_a), (m_b, g_b, head_b) = results

@@ -128,8 +128,9 @@ def test_unpadded_rows_give_the_batched_gradients(tiny_llama, tok, rollout, loss
         cfg = load_config(None, [f"loss.name={loss}", f"runtime.unpadded_rows={str(unpadded).lower()}",
                                  "runtime.logprob_chunk=4", "optim.micro_batch=3"])
         student = copy.deepcopy(tiny_llama).train()
-        ctx = opd_step.score_batch(cfg, teacher, batch, contextlib.nullcontext)
-        metrics.append(opd_step.micro_losses(cfg, student, batch, ctx, contextlib.nullcontext))
+        kw = {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+        ctx = opd_step.score_batch(cfg.loss, teacher, batch, contextlib.nullcontext, **kw)
+        metrics.append(opd_step.micro_losses(cfg.loss, student, batch, ctx, contextlib.nullcontext, **kw))
         grads.append(torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]))
     assert abs(metrics[0]["loss"] - metrics[1]["loss"]) < 1e-6 and abs(metrics[0]["kl"] - metrics[1]["kl"]) < 1e-6
     assert grads[0].abs().max() > 0 and torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)

@@ -84,6 +84,11 @@ def _rows(batch: opd.Batch, idx: list[int]) -> opd.Batch:
     return opd.Batch(sub, batch.teacher_prompt_ids_B_Sp[i], batch.teacher_prompt_mask_B_Sp[i])
 
 
+def _settings(cfg) -> dict:
+    """What ``step.score_batch`` / ``step.micro_losses`` read of ``cfg`` besides its loss."""
+    return {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+
+
 def _grads(student) -> dict[str, torch.Tensor]:
     out = {k: p.grad.clone() for k, p in student.named_parameters() if p.grad is not None}
     student.zero_grad(set_to_none=True)
@@ -102,9 +107,10 @@ def test_rows_are_scored_by_the_teacher_they_name(fx, fx2, models, loss):
     cfg = load_config(None, [*common, *_teachers(fx, fx2), "optim.micro_batch=3"])
     one = load_config(None, common)
     nc = contextlib.nullcontext
-    routed = opd_step.score_batch(cfg, teachers.TeacherSet(("a", "b"), [a, b]), batch, nc)
+    kw, kw_one = _settings(cfg), _settings(one)
+    routed = opd_step.score_batch(cfg.loss, teachers.TeacherSet(("a", "b"), [a, b]), batch, nc, **kw)
     # every row, one call
-    alone = {name: opd_step.score_batch(one, t, batch, nc)[0] for name, t in (("a", a), ("b", b))}
+    alone = {name: opd_step.score_batch(one.loss, t, batch, nc, **kw_one)[0] for name, t in (("a", a), ("b", b))}
     got = torch.cat([c.logp_B_T for c in routed])
     for name, rows in (("a", [0, 3]), ("b", [1, 2])):
         torch.testing.assert_close(got[rows], alone[name].logp_B_T[rows], rtol=0, atol=1e-5)
@@ -114,12 +120,14 @@ def test_rows_are_scored_by_the_teacher_they_name(fx, fx2, models, loss):
         assert torch.equal(ids[[0, 3]], alone["a"].topk_ids_B_T_K[[0, 3]])
 
     n = float(batch.rollout.completion_mask_B_T.sum())
-    m = teachers.finish_metrics(opd_step.micro_losses(cfg, student, batch, routed, nc), ("a", "b"))
+    m = teachers.finish_metrics(opd_step.micro_losses(cfg.loss, student, batch, routed, nc, teacher_names=("a", "b"),
+                                                      **kw), ("a", "b"))
     g_routed = _grads(student)
     g_ref, per = {}, {}
     for name, t, rows in (("a", a, [0, 3]), ("b", b, [1, 2])):
         sub = _rows(batch, rows)
-        per[name] = opd_step.micro_losses(one, student, sub, opd_step.score_batch(one, t, sub, nc), nc, n_tokens=n)
+        per[name] = opd_step.micro_losses(one.loss, student, sub, opd_step.score_batch(one.loss, t, sub, nc, **kw_one),
+                                          nc, n_tokens=n, **kw_one)
         for k, g in _grads(student).items():
             g_ref[k] = g_ref.get(k, 0) + g
     for k in ("lm_head.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
@@ -236,13 +244,13 @@ def test_a_teacher_elsewhere_scores_the_full_vocabulary_with_a_copy_of_its_head(
     batch.teacher_B = None  # one teacher
     cfg = load_config(None, ["loss.name=rkl", "runtime.logprob_chunk=4"])
     nc = contextlib.nullcontext
-    here = opd_step.score_batch(cfg, a, batch, nc)
-    m_here = opd_step.micro_losses(cfg, student, batch, here, nc)
+    here = opd_step.score_batch(cfg.loss, a, batch, nc, **_settings(cfg))
+    m_here = opd_step.micro_losses(cfg.loss, student, batch, here, nc, **_settings(cfg))
     g_here = _grads(student)
     monkeypatch.setattr(teachers, "device_of", lambda t: torch.device("meta"))  # "elsewhere": to_device copies the head
     moved = [teachers.to_device(c, a, CPU) for c in here]
     assert moved[0].head is not unwrap(a)[1] and moved[0].head.weight.shape[0] == len(tok)
-    m_moved = opd_step.micro_losses(cfg, student, batch, moved, nc)
+    m_moved = opd_step.micro_losses(cfg.loss, student, batch, moved, nc, **_settings(cfg))
     g_moved = _grads(student)
     assert m_moved["loss"] == pytest.approx(m_here["loss"], rel=1e-6)
     assert m_moved["kl"] == pytest.approx(m_here["kl"], rel=1e-6)

@@ -91,9 +91,9 @@ def test_the_server_teacher_scores_as_the_hf_teacher(fx, cut, hf, loss):
     cfg = load_config(None, [f"loss.name={loss}", "loss.topk=8", "teacher.source=vllm"])
     with FakeVLLMServer(served, str(cut)) as server:
         client = vt.ServerTeacher(server.url, cut, N_IDS, 30.0, log=lambda *a: None)
-        got = opd_step.score_batch(replace_micro(cfg, 4), client, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(cfg.loss, client, batch, contextlib.nullcontext, **_settings(cfg, micro_batch=4))
     assert len(server.requests) == 1 and server.requests[0]["prompt_logprobs"] == (8 if loss == "topk_fkl" else 0)
-    want = opd_step.score_batch(replace_micro(cfg, 4), teacher, batch, contextlib.nullcontext)
+    want = opd_step.score_batch(cfg.loss, teacher, batch, contextlib.nullcontext, **_settings(cfg, micro_batch=4))
     m = batch.rollout.completion_mask_B_T.bool()
     for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
         mm = m[rows]
@@ -103,10 +103,11 @@ def test_the_server_teacher_scores_as_the_hf_teacher(fx, cut, hf, loss):
             torch.testing.assert_close(g.topk_logp_B_T_K[mm], w.topk_logp_B_T_K[mm], rtol=0, atol=2e-5)
 
 
-def replace_micro(cfg, n: int):
-    from opdkit.config import replace
-
-    return replace(cfg, f"optim.micro_batch={n}")
+def _settings(cfg, micro_batch: int | None = None) -> dict:
+    """What ``step.score_batch`` reads of ``cfg`` besides its loss (``micro_batch``: another
+    ``optim.micro_batch``)."""
+    return {"rollout": cfg.rollout, "runtime": cfg.runtime,
+            "micro_batch": cfg.optim.micro_batch if micro_batch is None else micro_batch}
 
 
 def _cli(*args, overrides):
@@ -262,8 +263,8 @@ def test_the_colocated_vllm_teacher_agrees_with_the_hf_teacher(small_pair):
                                   batch.rollout.completion_ids_B_T, 64)
     for loss in ("k1", "topk_fkl"):
         cfg = load_config(None, [*base, f"loss.name={loss}"])
-        got = opd_step.score_batch(cfg, engine, batch, contextlib.nullcontext)[0]
-        want = opd_step.score_batch(cfg, teacher, batch, contextlib.nullcontext)[0]
+        got = opd_step.score_batch(cfg.loss, engine, batch, contextlib.nullcontext, **_settings(cfg))[0]
+        want = opd_step.score_batch(cfg.loss, teacher, batch, contextlib.nullcontext, **_settings(cfg))[0]
         d = (got.logp_B_T.cpu() - want.logp_B_T)[m].abs()
         print(f"{loss}: |vLLM - HF| teacher log-prob of the sampled tokens: max {float(d.max()):.3g}, "
               f"mean {float(d.mean()):.3g} over {int(m.sum())} tokens")
@@ -312,10 +313,10 @@ def test_several_teachers_each_on_its_server(fx, cut, hf, tmp_path_factory):
     with FakeVLLMServer(served, str(cut)) as s1, FakeVLLMServer(load_model(cut2, CPU, torch.float32), str(cut2)) as s2:
         remote = teachers.TeacherSet(("a", "b"), [vt.ServerTeacher(s.url, d, N_IDS, 30.0, log=lambda *a: None)
                                                   for s, d in ((s1, cut), (s2, cut2))])
-        got = opd_step.score_batch(cfg, remote, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(cfg.loss, remote, batch, contextlib.nullcontext, **_settings(cfg))
     assert len(s1.requests) == len(s2.requests) == 1  # one request per teacher for the step's rows
     both = teachers.TeacherSet(("a", "b"), [teacher, teacher2])
-    want = opd_step.score_batch(cfg, both, batch, contextlib.nullcontext)
+    want = opd_step.score_batch(cfg.loss, both, batch, contextlib.nullcontext, **_settings(cfg))
     m = batch.rollout.completion_mask_B_T.bool()
     for g, w, rows in zip(got, want, (slice(0, 4), slice(4, 6))):
         torch.testing.assert_close(g.logp_B_T[m[rows]], w.logp_B_T[m[rows]], rtol=0, atol=2e-5)

@@ -268,11 +268,12 @@ def test_span_logprobs_equal_each_models_own_logprob_of_the_spans_text(direction
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
     batch.xtok = xtok.teacher_view(pair_of(s_tok, t_tok), ro.completion_ids_B_T, ro.completion_mask_B_T, t_prompts)
     cfg = replace(Config(), "loss.name=k1", "optim.micro_batch=3", "teacher.tokenizer=own")
-    ctxs = opd_step.score_batch(cfg, teacher, batch, contextlib.nullcontext)
+    ctxs = opd_step.score_batch(cfg.loss, teacher, batch, contextlib.nullcontext, rollout=cfg.rollout,
+                                runtime=cfg.runtime, micro_batch=cfg.optim.micro_batch)
     got_B_T = torch.cat([c.logp_B_T for c in ctxs])
     head = student.lm_head
     rest_B_T = []  # t~ after the student's rest of each span (with_student_rest), per micro-batch
-    for c, rows_ in zip(ctxs, opd_step.micro_slices(cfg, batch)):
+    for c, rows_ in zip(ctxs, opd_step.micro_slices(batch, cfg.optim.micro_batch)):
         g = opd.student_geometry(batch, rows_)
         with torch.no_grad():
             h = student.model(input_ids=g.input_ids_B_S, attention_mask=g.attention_mask_B_S,
@@ -417,8 +418,10 @@ def test_with_one_tokenizer_own_is_the_shared_path_bit_for_bit(embedded_run, los
         cfg = replace(run.cfg, f"loss.name={loss}", f"teacher.tokenizer={tk}", "optim.micro_batch=4",
                       "runtime.logprob_chunk=16")
         run.student.zero_grad(set_to_none=True)
-        ctx = opd_step.score_batch(cfg, run.teacher, batch, contextlib.nullcontext)
-        m = opd_step.micro_losses(cfg, run.student, batch, ctx, contextlib.nullcontext)
+        kw = {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+        ctx = opd_step.score_batch(cfg.loss, run.teacher, batch, contextlib.nullcontext, **kw)
+        m = opd_step.micro_losses(cfg.loss, run.student, batch, ctx, contextlib.nullcontext,
+                                  vocab_map=cfg.teacher.vocab_map, **kw)
         out[name] = (m, [p.grad.clone() for p in run.student.parameters()])
     (m_s, g_s), (m_o, g_o) = out["shared"], out["own"]
     assert m_o["loss"] == m_s["loss"] and m_o["kl"] == m_s["kl"] and m_o["xtok_one_to_one_frac"] == 1.0

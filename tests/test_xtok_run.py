@@ -81,6 +81,11 @@ def _batch(student_tok, teacher_tok, student):
     return batch
 
 
+def _settings(cfg) -> dict:
+    """What ``step.score_batch`` reads of ``cfg`` besides its loss."""
+    return {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+
+
 def test_the_vllm_teacher_scores_the_retokenized_ids_as_the_hf_teacher(bpe_teacher, tmp_path):
     """The server is sent the teacher's own tokens (its prompt, the completion re-tokenized, its EOS) and
     its answers, moved onto the student's tokens, equal the HF teacher's; a run with the server trains."""
@@ -92,16 +97,16 @@ def test_the_vllm_teacher_scores_the_retokenized_ids_as_the_hf_teacher(bpe_teach
     cfg = replace(Config(), "loss.name=k1", "teacher.source=vllm", "teacher.tokenizer=own", "optim.micro_batch=4")
     with FakeVLLMServer(teacher, str(bpe_teacher)) as server:
         client = vt.ServerTeacher(server.url, bpe_teacher, len(t_tok), 30.0, log=lambda *a: None)
-        got = opd_step.score_batch(cfg, client, batch, contextlib.nullcontext)
+        got = opd_step.score_batch(cfg.loss, client, batch, contextlib.nullcontext, **_settings(cfg))
     view = batch.xtok.teacher
     sent = server.requests[0]["prompt"]
     for b, seq in enumerate(sent):
         n = int(view.completion_mask_B_T[b].sum())
         assert seq == [t for t, m in zip(view.prompt_ids_B_Sp[b].tolist(), view.prompt_mask_B_Sp[b].tolist()) if m] + \
             view.completion_ids_B_T[b, :n].tolist()
-    want = opd_step.score_batch(replace(cfg, "teacher.source=model"), teacher, batch, contextlib.nullcontext)
+    want = opd_step.score_batch(cfg.loss, teacher, batch, contextlib.nullcontext, **_settings(cfg))
     m = batch.rollout.completion_mask_B_T.bool()
-    for g, w, rows in zip(got, want, opd_step.micro_slices(cfg, batch)):
+    for g, w, rows in zip(got, want, opd_step.micro_slices(batch, cfg.optim.micro_batch)):
         torch.testing.assert_close(g.logp_B_T[m[rows]], w.logp_B_T[m[rows]], rtol=0, atol=2e-5)
     with FakeVLLMServer(teacher, str(bpe_teacher)) as server:
         over = [*TINY, "loss.name=k1", f"teacher.path={bpe_teacher}", "teacher.source=vllm",
@@ -170,9 +175,10 @@ def test_the_colocated_vllm_teacher_scores_the_retokenized_ids(tmp_path):
     cfg = replace(Config(), "loss.name=k1", "teacher.source=vllm", "teacher.tokenizer=own",
                   "rollout.max_prompt_tokens=64", "teacher.gpu_memory_utilization=0.2")
     engine = vt.EngineTeacher(cfg, tmp_path / "teacher", len(t_tok), device)
-    got = torch.cat([c.logp_B_T.cpu() for c in opd_step.score_batch(cfg, engine, batch, contextlib.nullcontext)])
-    want = torch.cat([c.logp_B_T for c in opd_step.score_batch(replace(cfg, "teacher.source=model"), teacher, batch,
-                                                                  contextlib.nullcontext)])
+    got = torch.cat([c.logp_B_T.cpu() for c in opd_step.score_batch(cfg.loss, engine, batch, contextlib.nullcontext,
+                                                                      **_settings(cfg))])
+    want = torch.cat([c.logp_B_T for c in opd_step.score_batch(cfg.loss, teacher, batch, contextlib.nullcontext,
+                                                                  **_settings(cfg))])
     m = batch.rollout.completion_mask_B_T.bool()
     d = (got - want)[m].abs()
     tol_max, tol_mean = cfg.runtime.alignment_tol_bf16

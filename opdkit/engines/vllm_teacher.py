@@ -182,8 +182,9 @@ class _Scorer:
     name: str
     n_vocab: int
 
-    def score(self, cfg, batch, row_sets: list) -> list[TeacherScores]:
-        k = prompt_logprobs_k(cfg)
+    def score(self, k: int, batch, row_sets: list) -> list[TeacherScores]:
+        """The teacher's scores of each of ``row_sets`` (one request for all their rows): the sampled
+        tokens' log-probs, and with ``k`` > 0 the top-k (``prompt_logprobs_k``)."""
         per_set = [sequences(batch, rows) for rows in row_sets]
         flat = [s for seqs, _, _ in per_set for s in seqs]
         answers = self._prompt_logprobs(flat, k) if flat else []
