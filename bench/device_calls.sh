@@ -7,8 +7,14 @@
 #   c: carry .lane .v2 .whl      vLLM unpacked; opdkit and TRL + its vLLM at 1,024 / 7,168 / 3,072 new tokens,
 #                                pair by pair (bench/s1_speed.sh table, ~9.5 min)
 #   vt: as d, the vLLM teacher's tests only (~3 min)
+#   g: carry .lane               the decode projections: cuBLAS vs the GEMV kernels (bench/gemv_bench.py), the static
+#                                decoder with each (bench/s1_speed.py static), the decoder's GPU tests (~8 min)
+#   g2: carry .lane              S1 at 1,024 and 7,168 new tokens, rollout.decode_gemv true / false (~5 min)
+#   g3a: carry .lane             the decoder's GPU tests, the projections and the decoder with the GEMV kernels (~4 min)
+#   g3b: carry .lane             S1 at 1,024 / 7,168 by default and without gradient checkpointing (7,168: micro-batches
+#                                of 2 rows) (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
-#   d: carry .lane .fixture .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
+#   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
 #                                from .whl) (~10 min; run the tests apart with vt where the call is short)
 # Each writes what it measured under $OUT (8 files at most come back).
@@ -25,6 +31,36 @@ lim() { local s=$1; shift; timeout -k 10 "$s" "$@"; echo "$* -> rc=$? ($(date -u
 [ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
 case $PHASE in
   copy) ;;
+  g)
+    lim 140 python3 bench/gemv_bench.py --out "$OUT" --budget-s 110 > "$OUT/gemv_log.txt" 2>&1
+    lim 150 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
+    lim 180 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
+      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    ;;
+  g3a)
+    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
+      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    lim 60 python3 bench/gemv_bench.py --out "$OUT" --quick > "$OUT/gemv_log.txt" 2>&1
+    lim 120 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
+    ;;
+  g3b)
+    for run in "1024 default" "1024 no_ckpt -S runtime.grad_checkpointing=false" \
+               "7168 default" "7168 no_ckpt_mb2 -S runtime.grad_checkpointing=false -S optim.micro_batch=2"; do
+      set -- $run; T=$1; N=$2; shift 2
+      lim 170 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_${T}_$N" --recipe s1 --steps 4 \
+        -S rollout.max_new_tokens=$T "$@" >> "$OUT/parts.txt" 2>&1
+      rm -rf "$R/runs/s1_${T}_$N"
+    done
+    ;;
+  g2)
+    for T in 1024 7168; do
+      for G in true false; do
+        lim 200 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_${T}_gemv_$G" --recipe s1 --steps 4 \
+          -S rollout.max_new_tokens=$T -S rollout.decode_gemv=$G >> "$OUT/parts.txt" 2>&1
+        rm -rf "$R/runs/s1_${T}_gemv_$G"
+      done
+    done
+    ;;
   t)
     lim 200 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
       tests/test_packing.py tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
@@ -46,7 +82,7 @@ case $PHASE in
     [ "$PHASE" = vt ] || lim 380 bash bench/signal_lane.sh >> "$OUT/parts.txt" 2>&1
     [ -d /tmp/trlsite/datasets ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trlsite \
       .whl/*.whl >> "$OUT/parts.txt" 2>&1
-    PYTHONPATH=$PYTHONPATH:/tmp/trlsite OPDKIT_FIXTURE_DIR=$PWD/.fixture lim 210 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rfE \
+    PYTHONPATH=$PYTHONPATH:/tmp/trlsite OPDKIT_FIXTURE_DIR=$PWD/.lane lim 210 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rfE \
       tests/test_vllm_teacher.py > "$OUT/tests_vllm.txt" 2>&1
     ;;
 esac

@@ -153,13 +153,13 @@ def static(args) -> None:
     seeds = opd.step_seeds(0, 0, len(rows))
     T = args.max_new_tokens or (8 if args.tiny else 2048)
     bw = copy_bandwidth(device)
-    impls = {"new": new}
+    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {})}  # the projections through cuBLAS / the GEMV kernels
     if args.static_main and Path(args.static_main).is_file():
-        impls = {"main": _load_static(args.static_main), "new": new}
-    for name, mod in impls.items():
+        impls = {"main": (_load_static(args.static_main), {}), **impls}
+    for name, (mod, kw_dec) in impls.items():
         res = {"what": "static", "impl": name, "max_new_tokens": T, "batch": len(rows)}
         try:
-            dec = mod.StaticDecoder(model, n_vocab=len(tok))
+            dec = mod.StaticDecoder(model, n_vocab=len(tok), **kw_dec)
             kw = dict(temperature=1.0, top_p=1.0, eos_ids=[-1])  # no EOS: every row runs to the cap
             dec.use_graphs = False  # 1. kernels (CPU: ops) of one eager decode step: 3 tokens minus 2
             counts = {}
@@ -518,9 +518,10 @@ def update(args) -> None:
                         if rep == 3 else contextlib.nullcontext())
                 with prof:
                     t0 = sync(device)
-                    contexts = opd_step.score_batch(cfg, run.teacher, batch, run.autocast, run.teacher_ctx)
+                    kw = dict(rollout=cfg.rollout, runtime=cfg.runtime, micro_batch=cfg.optim.micro_batch)
+                    contexts = opd_step.score_batch(cfg.loss, run.teacher, batch, run.autocast, run.teacher_ctx, **kw)
                     t1 = sync(device)
-                    m = opd_step.micro_losses(cfg, run.student, batch, contexts, run.autocast)
+                    m = opd_step.micro_losses(cfg.loss, run.student, batch, contexts, run.autocast, **kw)
                     t2 = sync(device)
                     torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                     run.optimizer.step()

@@ -56,6 +56,27 @@ def kernels() -> None:
     gu = torch.randn(B, 2 * inter) * 4
     err = float((dk.silu_mul_ref(gu) - dk.silu_mul(gu)).abs().max())
     check("silu_mul", err < 1e-6, f"max err {err:.2e}")
+    for rows, n_out, n_in, bias in ((3, 70, 96, True), (8, 40, 300, False)):
+        x = torch.randn(rows, n_in) * 2  # outputs of order 1: the check's tolerance is absolute
+        w_N_K, w_2N_K = torch.randn(n_out, n_in) / n_in ** 0.5, torch.randn(2 * n_out, n_in) / n_in ** 0.5
+        b_N, b_2N = (torch.randn(n_out), torch.randn(2 * n_out)) if bias else (None, None)
+        for config in (None, (16, 64, 4, 4, 3), (32, 64, 2, 4, 3)):  # 1, 4 and 2 splits (the rows of a block masked)
+            want, got = dk.linear_ref(x, w_N_K, b_N), dk.linear(x, w_N_K, b_N, config)
+            err = float((want - got).abs().max())
+            want, got = dk.linear_silu_ref(x, w_2N_K, b_2N), dk.linear_silu(x, w_2N_K, b_2N, config)
+            err2 = float((want - got).abs().max())
+            check(f"linear / linear_silu {rows}x{n_in}->{n_out} bias={bias} config={config}",
+                  err < 1e-5 and err2 < 1e-5, f"max err {err:.1e} / {err2:.1e}")
+        nw = torch.rand(n_in) + 0.5
+        for r_B_K, silu in ((torch.randn(rows, n_in), False), (None, True), (torch.randn(rows, n_in), True)):
+            h = torch.randn(rows, n_in) * 2
+            w_X_K, b_X = (w_2N_K, b_2N) if silu else (w_N_K, b_N)
+            want, want_h = dk.norm_linear_ref(h, r_B_K, nw, 1e-6, w_X_K, b_X, silu)
+            h_before = h.clone()
+            got, got_h = dk.norm_linear(h, r_B_K, nw, 1e-6, w_X_K, b_X, silu, (16, 64, 2, 4, 3))
+            err = float((want - got).abs().max())
+            check(f"norm_linear {rows}x{n_in}->{n_out} add={r_B_K is not None} silu={silu}",
+                  err < 1e-5 and torch.equal(want_h, got_h) and torch.equal(h, h_before), f"max err {err:.1e}")
     raw = torch.randn(B, V) * 3
     seeds = torch.tensor([1, 2 ** 62 + 5, 7])
     for tau in (1.0, 0.6, 1.1):
@@ -79,9 +100,10 @@ def decoder() -> None:
               num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]]
-    for name, model, top_p, tau, calls in (  # (the interpreter runs each kernel launch in Python: kept short)
-            ("qwen3 (q/k norms), Gumbel kernel", Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=8)), 1.0, 0.7, 2),
-            ("qwen2 (biases), top-p sampling", Qwen2ForCausalLM(Qwen2Config(**kw)), 0.9, 1.0, 1)):
+    for name, model, top_p, tau, calls, gemv in (  # (the interpreter runs each kernel launch in Python: kept short)
+            ("qwen3 (q/k norms), Gumbel kernel", Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=8)), 1.0, 0.7, 2, True),
+            ("qwen2 (biases), top-p sampling", Qwen2ForCausalLM(Qwen2Config(**kw)), 0.9, 1.0, 1, True),
+            ("qwen2, cuBLAS projections", Qwen2ForCausalLM(Qwen2Config(**kw)), 1.0, 0.7, 1, False)):
         torch.manual_seed(1)
         model.eval()
         G, T = 1, 14
@@ -89,7 +111,7 @@ def decoder() -> None:
         ro = HFEngine(model, tok, static_cache=False).sample(prompts, samples_per_prompt=G, seeds=seeds,
                                                              temperature=tau, top_p=top_p, max_new_tokens=T)
         ids, mask = left_pad([p for p in prompts for _ in range(G)], tok.pad_token_id)
-        dec = StaticDecoder(model, dtype=torch.float32, kernels=True, steps_per_graph=4, prompt_slots=8)
+        dec = StaticDecoder(model, dtype=torch.float32, kernels=True, steps_per_graph=4, prompt_slots=8, gemv=gemv)
         for call in range(calls):  # a second call reuses the session's buffers
             out, logp = dec.generate(ids, mask, seeds, temperature=tau, top_p=top_p, max_new_tokens=T,
                                      eos_ids=[tok.eos_token_id], check_every=8)

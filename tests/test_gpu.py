@@ -125,8 +125,9 @@ def _step_grads(tok, grad_ckpt: bool):
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16)
 
-    contexts = opd_step.score_batch(cfg, teacher, batch, autocast)
-    m = opd_step.micro_losses(cfg, student, batch, contexts, autocast)
+    kw = {"rollout": cfg.rollout, "runtime": cfg.runtime, "micro_batch": cfg.optim.micro_batch}
+    contexts = opd_step.score_batch(cfg.loss, teacher, batch, autocast, **kw)
+    m = opd_step.micro_losses(cfg.loss, student, batch, contexts, autocast, **kw)
     return m, {n: p.grad.clone() for n, p in student.named_parameters()}, ro
 
 
@@ -201,6 +202,31 @@ def test_decode_kernels_in_bf16_equal_their_references():
             raw = torch.randn(B, V, device="cuda") * 4
             want = dk.gumbel_argmax_ref(raw, seeds, torch.tensor(t, device="cuda"), tau, n_vocab)
             assert torch.equal(dk.gumbel_argmax(raw, seeds, torch.tensor([t], device="cuda"), plan), want), (tau, t)
+
+
+def test_gemv_kernels_in_bf16_round_as_their_references_at_the_real_shape():
+    """The decode projections' GEMV kernels (each configuration ``gemv_config`` picks at the 1.5B shape, split
+    or not) against the float32-accumulated reference: within one bf16 rounding of each output, two for
+    silu * up (the sums run in another order), and the same bits on a second call (no atomics: deterministic)."""
+    from opdkit.engines import decode_kernels as dk
+
+    torch.manual_seed(0)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    for rows in (1, 8, 16):
+        for n_out, n_in, bias, silu in ((2048, 1536, True, False), (1536, 1536, False, False),
+                                        (8960, 1536, False, True), (1536, 8960, False, False)):
+            x = torch.randn(rows, n_in, **bf)
+            w = torch.randn((2 if silu else 1) * n_out, n_in, **bf) / n_in ** 0.5
+            b = torch.randn(w.shape[0], **bf) if bias else None
+            if silu:
+                got, want = dk.linear_silu(x, w, b), dk.linear_silu_ref(x, w, b)
+            else:
+                got, want = dk.linear(x, w, b), dk.linear_ref(x, w, b)
+            err = (got.float() - want.float()).abs()
+            rel = 2 ** -6 if silu else 2 ** -7  # silu * up rounds three times after the sums
+            assert (err <= rel * want.float().abs() + 1e-3).all(), (rows, n_out, n_in, float(err.max()))
+            again = dk.linear_silu(x, w, b) if silu else dk.linear(x, w, b)
+            assert torch.equal(got, again)
 
 
 def test_packed_rows_equal_row_by_row_with_gradients():

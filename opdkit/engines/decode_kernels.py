@@ -94,6 +94,18 @@ def silu_mul_ref(gu_B_X: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate_B_I) * up_B_I
 
 
+def linear_ref(x_B_K: torch.Tensor, w_N_K: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w^T + b`` (B, N): float32 accumulation, the bias added before one rounding to x's dtype (as
+    cuBLAS's bias epilogue rounds it)."""
+    out_B_N = x_B_K.float() @ w_N_K.float().T
+    return (out_B_N if b_N is None else out_B_N + b_N.float()).to(x_B_K.dtype)
+
+
+def linear_silu_ref(x_B_K: torch.Tensor, w_2I_K: torch.Tensor, b_2I: torch.Tensor | None) -> torch.Tensor:
+    """``silu_mul_ref`` of ``linear_ref``: the MLP's gate/up projection and activation (B, I)."""
+    return silu_mul_ref(linear_ref(x_B_K, w_2I_K, b_2I))
+
+
 def gumbel_argmax_ref(raw_B_V: torch.Tensor, seeds_B: torch.Tensor, t, temperature: float,
                       n_vocab: int) -> torch.Tensor:
     """The id ``policy_scores`` samples at top-p 1 and temperature > 0 (B,): argmax over ids < n_vocab
@@ -126,7 +138,7 @@ def _kernels() -> dict:
         assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
         _K = dict(rope_cache=t.rope_cache_kernel, attn_partial=t.attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
                   silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, rms_norm=t.rms_norm_kernel,
-                  add_rms_norm=t.add_rms_norm_kernel)
+                  add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel, gemv_reduce=t.gemv_reduce_kernel)
     return _K
 
 
@@ -232,3 +244,83 @@ def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
                                 raw_B_V.stride(0), NBLK=plan.nblk, BLOCK=plan.BLOCK, TEMPERED=temperature != 1.0)
     best_B = plan.val.argmax(-1, keepdim=True)
     return plan.idx.gather(1, best_B)[:, 0]
+
+
+# --- the projections at a small batch (GEMV) ------------------------------------------------------
+
+GEMV_MAX_ROWS = 16  # the GEMV kernel pads the rows to 16 (tl.dot's smallest M); more rows: cuBLAS
+
+
+def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for ``gemv_launch`` of N outputs over K inputs. The rule
+    picks the fastest configuration of ``bench/gemv_bench.py``'s grid on an H200 (2026-12-02, batch 8, 28
+    weights per graph) at each projection of the 1.5B shape: up to 2,048 inputs one pass (BLOCK_N 16 x BLOCK_K
+    256 up to 4,096 outputs: q/k/v 5.53 us vs cuBLAS 5.86, o 4.97 vs 5.24; else 32 x 64: gate/up + silu 16.37
+    vs 19.09 with its separate kernel); longer inputs split in powers of 2 until the programs fill ~70% of
+    the ``sms`` multiprocessors (down 64 x 256 x 4: 11.49 vs 11.74)."""
+    if K <= 2048:
+        return (16, 256, 1, 4, 4) if N <= 4096 else (32, 64, 1, 4, 4)
+    block_n, block_k, split = 64, 256, 1
+    while -(-N // block_n) * split < 0.7 * sms and K // (2 * split) >= block_k:
+        split *= 2
+    return block_n, block_k, split, 4, 4
+
+
+def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, norm=None):
+    """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
+    rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
+    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``). ``norm``
+    ``(r_B_K or None, weight_K, eps)``: of ``add_rms_norm_ref(x, r, weight, eps)``'s normed rows instead of x
+    (x the residual stream, left as it is); returns (out, the sum x + r (x itself without r)) then."""
+    k = _kernels()
+    B, KD = x_B_K.shape
+    if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
+        raise ValueError(f"gemv: {B} rows (at most {GEMV_MAX_ROWS}) with unit-stride rows expected")
+    block_n, block_k, split, warps, stages = config or gemv_config(N, KD)
+    per_split = -(-KD // split)
+    per_split = -(-per_split // block_k) * block_k  # inputs per split, whole blocks
+    out_B_N = torch.empty((B, N), dtype=x_B_K.dtype, device=x_B_K.device)
+    BP = GEMV_MAX_ROWS
+    part = (torch.empty((split, BP, 2 * N if silu else N), dtype=torch.float32, device=x_B_K.device) if split > 1
+            else out_B_N)
+    bias = b_X if b_X is not None else out_B_N  # unread without HAS_BIAS
+    r_B_K, nw_K, eps = norm if norm is not None else (None, None, 0.0)
+    add = r_B_K is not None
+    h_B_K = torch.empty_like(x_B_K) if add else x_B_K
+    grid = (-(-N // block_n), split)
+    ieee = x_B_K.dtype == torch.float32
+    k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, r_B_K if add else x_B_K, nw_K if norm else x_B_K, h_B_K,
+                    float(eps), B, N, KD, x_B_K.stride(0), w_X_K.stride(0), r_B_K.stride(0) if add else 0,
+                    K_PER=per_split, K_ALL=-(-KD // block_k) * block_k, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k,
+                    SPLIT=split, HAS_BIAS=b_X is not None, SILU=silu, NORM=norm is not None, ADD=add, IEEE=ieee,
+                    num_warps=warps, num_stages=stages)
+    if split > 1:
+        k["gemv_reduce"][(-(-N // 64),)](part, bias, out_B_N, B, N, BP=BP, BLOCK_N=64, SPLIT=split,
+                                         HAS_BIAS=b_X is not None, SILU=silu, num_warps=4)
+    return out_B_N if norm is None else (out_B_N, h_B_K)
+
+
+def linear(x_B_K, w_N_K, b_N, config=None) -> torch.Tensor:
+    """``linear_ref`` as ``gemv_launch``'s kernel(s)."""
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config)
+
+
+def linear_silu(x_B_K, w_2I_K, b_2I, config=None) -> torch.Tensor:
+    """``linear_silu_ref`` as ``gemv_launch``'s kernel(s): the gate/up projection and silu * up in one pass."""
+    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config)
+
+
+def norm_linear_ref(h_B_K, r_B_K, norm_w_K, eps: float, w_X_K, b_X, silu: bool):
+    """``add_rms_norm_ref`` (or ``rms_norm_ref`` without ``r``) then ``linear_ref`` / ``linear_silu_ref`` of
+    the normed rows: (out, the new residual stream h + r, h itself without r). ``h`` is not modified."""
+    if r_B_K is None:
+        h_new_B_K, x_B_K = h_B_K, rms_norm_ref(h_B_K, norm_w_K, eps)
+    else:
+        h_new_B_K, x_B_K = add_rms_norm_ref(h_B_K.clone(), r_B_K, norm_w_K, eps)
+    return (linear_silu_ref if silu else linear_ref)(x_B_K, w_X_K, b_X), h_new_B_K
+
+
+def norm_linear(h_B_K, r_B_K, norm_w_K, eps: float, w_X_K, b_X, silu: bool, config=None):
+    """``norm_linear_ref`` as ``gemv_launch``'s kernel(s): the residual add and RMSNorm inside the projection."""
+    N = w_X_K.shape[0] // 2 if silu else w_X_K.shape[0]
+    return gemv_launch(h_B_K, w_X_K, b_X, N, silu, config, norm=(r_B_K, norm_w_K, eps))

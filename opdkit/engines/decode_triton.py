@@ -160,3 +160,109 @@ def add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, N, eps, stride_h, stride_r
     y = (x * (1.0 / tl.sqrt_rn(var + eps))).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + i, mask=m, other=0.0)
     tl.store(out_ptr + b * N + i, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The GEMV's epilogue: + bias (float32), rounded to the output dtype; under SILU the gate (``acc``) and up
+    (``acc_u``) halves each rounded, then ``silu(gate) * up`` rounded as ``silu_mul_kernel`` rounds it."""
+    nmask = n < N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(out_ptr.dtype.element_ty)
+    if SILU:
+        if HAS_BIAS:
+            acc_u += tl.load(b_ptr + N + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        up = acc_u.to(out_ptr.dtype.element_ty)
+        gate = y.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+        y = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r[:, None] * N + n[None, :], y, mask=(r < B)[:, None] & nmask[None, :])
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, add_ptr, nw_ptr, hout_ptr, eps, B, N, KD, stride_x,
+                stride_w, stride_a, K_PER: tl.constexpr, K_ALL: tl.constexpr, BP: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                SILU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr):
+    """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
+    slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
+    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. NORM: x is the
+    residual stream h, and the product is taken of its RMSNorm by the weight ``nw_ptr`` (``add_rms_norm_kernel``'s
+    rounding; ADD: of h + the addend ``add_ptr``, the sum written to ``hout_ptr`` by the first program): each
+    program first reads the whole rows (K_ALL inputs, whole blocks) for their statistics."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.arange(0, BP)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = r < B
+    nmask = n < N
+    acc = tl.zeros([BP, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BP, BLOCK_N], tl.float32)
+    rstd = tl.zeros([BP], tl.float32)
+    if NORM:
+        ss = tl.zeros([BP], tl.float32)
+        first = (pid == 0) & (s == 0)
+        for i in range(0, K_ALL // BLOCK_K):
+            k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            m2 = rmask[:, None] & (k < KD)[None, :]
+            hv = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=m2, other=0.0)
+            if ADD:
+                av = tl.load(add_ptr + r[:, None] * stride_a + k[None, :], mask=m2, other=0.0)
+                hv = (hv.to(tl.float32) + av.to(tl.float32)).to(hv.dtype)  # the residual add, rounded
+                tl.store(hout_ptr + r[:, None] * KD + k[None, :], hv, mask=m2 & first)
+            hf = hv.to(tl.float32)
+            ss += tl.sum(hf * hf, 1)
+        rstd = 1.0 / tl.sqrt_rn(ss / KD + eps)
+    k_lo = s * K_PER
+    for i in range(0, K_PER // BLOCK_K):  # K_PER: the inputs of one split, whole blocks
+        k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = k < KD
+        x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            if ADD:
+                av = tl.load(add_ptr + r[:, None] * stride_a + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                             other=0.0)
+                x = (x.to(tl.float32) + av.to(tl.float32)).to(x.dtype)
+            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # rounded, then scaled (HF's order)
+            nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
+            x = (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        if SILU:
+            wu = tl.load(w_ptr + (n[:, None] + N) * stride_w + k[None, :], mask=wmask, other=0.0)
+            if IEEE:
+                acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
+            else:
+                acc_u += tl.dot(x, tl.trans(wu))
+    if SPLIT == 1:
+        _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS, SILU)
+    else:
+        NW = 2 * N if SILU else N
+        at = part_ptr + (s * BP + r[:, None]) * NW + n[None, :]
+        tl.store(at, acc, mask=nmask[None, :])
+        if SILU:
+            tl.store(at + N, acc_u, mask=nmask[None, :])
+
+
+@triton.jit
+def gemv_reduce_kernel(part_ptr, b_ptr, out_ptr, B, N, BP: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """The sum of ``gemv_kernel``'s SPLIT partials, in split order (deterministic), and its epilogue."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, BP)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    NW = 2 * N if SILU else N
+    acc = tl.zeros([BP, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BP, BLOCK_N], tl.float32)
+    for s in tl.static_range(SPLIT):
+        at = part_ptr + (s * BP + r[:, None]) * NW + n[None, :]
+        acc += tl.load(at, mask=nmask[None, :], other=0.0)
+        if SILU:
+            acc_u += tl.load(at + N, mask=nmask[None, :], other=0.0)
+    _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS, SILU)

@@ -51,8 +51,9 @@ def make_engine(cfg, model, tokenizer):
     """The engine for ``model`` (wrapped for a sharded model; see ``engines.sharded``)."""
     device = next(model.parameters()).device
     if engine_name(cfg, device) == "hf":
+        # one-step-off rollouts (own_copy) draw while the live model trains
         engine = HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=cfg.rollout.batch_size,
-                          own_copy=cfg.rollout.overlap > 0)  # one-step-off rollouts draw while the live model trains
+                          own_copy=cfg.rollout.overlap > 0, gemv=cfg.rollout.decode_gemv)
     else:
         engine = vllm_engine.VLLMEngine(cfg, model, tokenizer)
     return wrap_engine(engine, model)

@@ -15,12 +15,14 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   ``start_b <= slot < Sp + t``) from device tensors, so its shapes never change: S steps
   (``steps_per_graph``) are captured as one CUDA graph, once per session, and replayed; the host
   checks for EOS every ``check_every`` tokens and asks ``should_stop`` between replays;
-- per layer a step is ten kernels on CUDA (``engines.decode_kernels``): the q/k/v matmul (fused
-  weights: the copy's q/k/v and gate/up weights are views into one buffer each), rotary embedding +
-  KV-cache write, split-length attention over the visible slots and its merge, the output
-  projection, the residual add + RMSNorm (HF's rounding), the gate/up matmul, silu * up, the down
-  projection, the residual add + the next RMSNorm; sampling at top-p 1 is one hashing Gumbel-argmax
-  kernel plus the log-softmax of the sampled token.
+- per layer a step is about ten kernels on CUDA (``engines.decode_kernels``): the q/k/v projection
+  (fused weights: the copy's q/k/v and gate/up weights are views into one buffer each), rotary
+  embedding + KV-cache write, split-length attention over the visible slots and its merge, the
+  output projection, the residual add + RMSNorm (HF's rounding), the gate/up projection with
+  silu * up, the down projection (split over its inputs: + 1 kernel summing the parts in order), the
+  residual add + the next RMSNorm; at up to 16 rows the projections are the kit's GEMV kernels
+  (``gemv`` / ``rollout.decode_gemv``; else cuBLAS and a separate silu * up); sampling at top-p 1 is
+  one hashing Gumbel-argmax kernel plus the log-softmax of the sampled token.
 
 Other architectures (e.g. Gemma's norms) decode through the modules' own forward with an HF
 ``StaticCache``, one CUDA graph per bucket of cache length (``_ModuleDecoder``).
@@ -190,6 +192,7 @@ class _Session:
         self.out_ids_B_T = torch.zeros((B, T + S), dtype=torch.int64, device=dev)
         self.out_logp_B_T = torch.zeros((B, T + S), dtype=torch.float32, device=dev)
         self.kernels = dec.kernels
+        self.gemv = dec.kernels and dec.gemv and B <= dk.GEMV_MAX_ROWS
         if dec.kernels:
             self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev)
             fast_sampling = temperature > 0 and top_p >= 1.0
@@ -206,7 +209,7 @@ class StaticDecoder:
 
     def __init__(self, model, *, dtype: torch.dtype = torch.bfloat16, bucket: int = 512, use_graphs: bool | None = None,
                  fused: bool = True, n_vocab: int | None = None, kernels: bool | None = None, steps_per_graph: int = 16,
-                 prompt_slots: int = 256):
+                 prompt_slots: int = 256, gemv: bool = True):
         self.gen = inference_copy(model, dtype)
         self.dtype = dtype
         self.n_vocab = n_vocab  # sample ids < n_vocab only (None: every row of the head)
@@ -218,6 +221,7 @@ class StaticDecoder:
         # the Triton kernels (engines.decode_kernels) on CUDA where Triton is installed; else their references
         self.kernels = (self.device.type == "cuda" and dk.available()) if kernels is None else kernels
         self.silu = getattr(self.gen.config, "hidden_act", None) == "silu"
+        self.gemv = gemv  # with the kernels, at <= dk.GEMV_MAX_ROWS rows: the projections as the kit's GEMV kernels
         self.steps_per_graph, self.prompt_slots = steps_per_graph, prompt_slots
         self.session: _Session | None = None
         self.modules = _ModuleDecoder(self) if self.layers is None else None
@@ -238,11 +242,10 @@ class StaticDecoder:
         fn = dk.add_rms_norm if s.kernels else dk.add_rms_norm_ref
         return fn(h_B_H, r_B_H, norm.weight, norm.variance_epsilon)
 
-    def _layer(self, s: _Session, i: int, f: dict, h_B_H, x_B_H, next_norm):
-        """Layer ``i`` for one token per row: ``h`` the residual stream, ``x`` its input norm; returns the new
-        stream and its norm by ``next_norm`` (the next layer's input norm, or the final one)."""
-        B, H, K, D = h_B_H.shape[0], f["H"], f["Hkv"], f["D"]
-        qkv_B_X = torch.nn.functional.linear(x_B_H, f["w_qkv"], f["b_qkv"])
+    def _attend(self, s: _Session, i: int, f: dict, qkv_B_X):
+        """Layer ``i``'s attention for one token per row from its q/k/v projection: the rotary embedding, the
+        token's k/v written into the cache, attention over the visible slots: (B, H, D)."""
+        B, H, K, D = qkv_B_X.shape[0], f["H"], f["Hkv"], f["D"]
         if f["q_norm"] is not None:  # Qwen3: RMSNorm per head before rotary
             q_B_X = _rms(qkv_B_X[:, :H * D].view(B, H, D), f["q_norm"]).view(B, H * D)
             k_B_X = _rms(qkv_B_X[:, H * D:(H + K) * D].view(B, K, D), f["k_norm"]).view(B, K * D)
@@ -251,22 +254,43 @@ class StaticDecoder:
         if s.kernels:  # token t-1 goes to slot Sp-1+t; slots start_b .. Sp+t-1 are visible
             q_B_H_D = dk.rope_cache(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.t_1, keys, values, H, K,
                                     slot_offset=s.Sp - 1)
-            o_B_H_D = dk.attention(q_B_H_D, keys, values, s.start_B, s.t_1, f["scale"], s.attn_plan, end_offset=s.Sp)
+            return dk.attention(q_B_H_D, keys, values, s.start_B, s.t_1, f["scale"], s.attn_plan, end_offset=s.Sp)
+        t = int(s.t_1)
+        q_B_H_D = dk.rope_cache_ref(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.Sp - 1 + t, keys, values, H, K)
+        return dk.attention_ref(q_B_H_D, keys, values, s.start_B, s.Sp + t, f["scale"])
+
+    def _mlp_act(self, f: dict, gu_B_X):
+        """``act_fn(gate) * up`` of the fused gate/up projection (B, 2I) -> (B, I)."""
+        gate_B_I, up_B_I = gu_B_X.chunk(2, dim=-1)
+        return f["mlp"].act_fn(gate_B_I) * up_B_I
+
+    def _layer(self, s: _Session, i: int, f: dict, h_B_H, x_B_H, next_norm):
+        """Layer ``i`` for one token per row (cuBLAS projections): ``h`` the residual stream, ``x`` its input
+        norm; returns the new stream and its norm by ``next_norm`` (the next layer's input norm, or the final
+        one)."""
+        lin = torch.nn.functional.linear
+        B = h_B_H.shape[0]
+        o_B_H_D = self._attend(s, i, f, lin(x_B_H, f["w_qkv"], f["b_qkv"]))
+        o_proj, down = f["attn"].o_proj, f["mlp"].down_proj
+        h_B_H, x_B_H = self._add_norm(s, h_B_H, lin(o_B_H_D.reshape(B, -1), o_proj.weight, o_proj.bias), f["ln2"])
+        gu_B_X = lin(x_B_H, f["w_gu"], f["b_gu"])
+        act_B_I = dk.silu_mul(gu_B_X) if s.kernels and self.silu else self._mlp_act(f, gu_B_X)
+        return self._add_norm(s, h_B_H, lin(act_B_I, down.weight, down.bias), next_norm)
+
+    def _layer_gemv(self, s: _Session, i: int, f: dict, h_B_H, r_B_H):
+        """Layer ``i`` through the GEMV kernels: each norm (and the residual add before it) runs inside the
+        projection that reads it. ``h`` the residual stream before adding ``r``, the previous layer's output
+        (None at layer 0); returns the stream and this layer's output, the same way."""
+        B = h_B_H.shape[0]
+        ln1, ln2, o_proj, down = f["ln1"], f["ln2"], f["attn"].o_proj, f["mlp"].down_proj
+        qkv_B_X, h_B_H = dk.norm_linear(h_B_H, r_B_H, ln1.weight, ln1.variance_epsilon, f["w_qkv"], f["b_qkv"], False)
+        o_B_H = dk.linear(self._attend(s, i, f, qkv_B_X).reshape(B, -1), o_proj.weight, o_proj.bias)
+        if self.silu:  # the gate/up projection and silu * up in one pass
+            act_B_I, h_B_H = dk.norm_linear(h_B_H, o_B_H, ln2.weight, ln2.variance_epsilon, f["w_gu"], f["b_gu"], True)
         else:
-            t = int(s.t_1)
-            q_B_H_D = dk.rope_cache_ref(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.Sp - 1 + t, keys, values, H, K)
-            o_B_H_D = dk.attention_ref(q_B_H_D, keys, values, s.start_B, s.Sp + t, f["scale"])
-        o_proj = f["attn"].o_proj
-        h_B_H, x_B_H = self._add_norm(s, h_B_H, torch.nn.functional.linear(o_B_H_D.reshape(B, H * D), o_proj.weight,
-                                                                           o_proj.bias), f["ln2"])
-        gu_B_X = torch.nn.functional.linear(x_B_H, f["w_gu"], f["b_gu"])
-        if s.kernels and self.silu:
-            act_B_I = dk.silu_mul(gu_B_X)
-        else:
-            gate_B_I, up_B_I = gu_B_X.chunk(2, dim=-1)
-            act_B_I = f["mlp"].act_fn(gate_B_I) * up_B_I
-        down = f["mlp"].down_proj
-        return self._add_norm(s, h_B_H, torch.nn.functional.linear(act_B_I, down.weight, down.bias), next_norm)
+            gu_B_X, h_B_H = dk.norm_linear(h_B_H, o_B_H, ln2.weight, ln2.variance_epsilon, f["w_gu"], f["b_gu"], False)
+            act_B_I = self._mlp_act(f, gu_B_X)
+        return h_B_H, dk.linear(act_B_I, down.weight, down.bias)
 
     def _sample(self, s: _Session, raw_B_V, t):
         """The sampled ids (B,) and their log π (B,) from raw logits (B, V) fp32 at token index ``t``."""
@@ -283,10 +307,16 @@ class StaticDecoder:
         """Feed token t-1 (slot Sp-1+t, position pos_b), sample token t; advance t and the positions."""
         m = self.gen.model
         h_B_H = m.embed_tokens(s.tok_B)
-        x_B_H = self._norm(s, h_B_H, self.layers[0]["ln1"])
-        norms = [f["ln1"] for f in self.layers[1:]] + [m.norm]  # each layer's output norm: the next one's input norm
-        for i, (f, next_norm) in enumerate(zip(self.layers, norms)):
-            h_B_H, x_B_H = self._layer(s, i, f, h_B_H, x_B_H, next_norm)
+        if s.gemv:
+            r_B_H = None
+            for i, f in enumerate(self.layers):
+                h_B_H, r_B_H = self._layer_gemv(s, i, f, h_B_H, r_B_H)
+            h_B_H, x_B_H = self._add_norm(s, h_B_H, r_B_H, m.norm)
+        else:
+            x_B_H = self._norm(s, h_B_H, self.layers[0]["ln1"])
+            norms = [f["ln1"] for f in self.layers[1:]] + [m.norm]  # each layer's output norm: the next one's input
+            for i, (f, next_norm) in enumerate(zip(self.layers, norms)):
+                h_B_H, x_B_H = self._layer(s, i, f, h_B_H, x_B_H, next_norm)
         raw_B_V = self.gen.lm_head(x_B_H).float()
         new_B, logp_B = self._sample(s, raw_B_V, s.t_1)
         s.out_ids_B_T.index_copy_(1, s.t_1, new_B[:, None])
