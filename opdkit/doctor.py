@@ -113,7 +113,8 @@ def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[
     cfg_hf = replace(cfg, "rollout.engine=hf")
     log(f"sampling {len(prompts)} prompts from the student (hf engine)")
     batch = sample_batch(cfg_hf, student, tok, examples, prompts, ac)
-    precision = opd.check_precision(cfg_hf, dtype, device)
+    precision = opd.check_precision(dtype, device, engine=engine_name(cfg_hf, device),
+                                    static_cache=cfg_hf.rollout.static_cache)
     out.append(alignment_finding("alignment (hf)", cfg_hf, batch, student, precision, ac))
     # the student's prompts
     own = opd.Batch(batch.rollout, batch.rollout.prompt_ids_B_Sp, batch.rollout.prompt_mask_B_Sp)
@@ -126,7 +127,7 @@ def live_checks(cfg: Config, inputs: Inputs, device: torch.device, log) -> list[
         t_own.xtok = xtok.teacher_view(inputs.xtok, batch.rollout.completion_ids_B_T, batch.rollout.completion_mask_B_T,
                                        [encode(ex, inputs.teacher_tokenizer, cfg.data) for ex in examples])
     cfg_self = cfg if loss_table.samples_from(cfg.loss) == "student" else replace(cfg, "loss.name=rkl")
-    tol = opd.alignment_tolerance(cfg, opd.check_precision(cfg_hf, dtype, device))[1]
+    tol = opd.alignment_tolerance(precision, runtime=cfg.runtime)[1]
     log("scoring the batch: the student against itself, the teacher twice")
     out.append(self_kl_finding(cfg_self, student, own, ac, tol))
     out.append(teacher_repeat_finding(cfg_self, teacher, t_own, ac, tol))
@@ -157,14 +158,15 @@ def alignment_finding(check: str, cfg: Config, batch: opd.Batch, student, precis
     tokens = int(batch.rollout.completion_mask_B_T.sum())
     try:
         with ac():
-            r = opd.alignment_report(cfg, batch, student, precision)
+            r = opd.alignment_report(cfg.loss, batch, student, precision, rollout=cfg.rollout, runtime=cfg.runtime,
+                                     teacher_source=cfg.teacher.source)
     except AlignmentError as e:
         return Finding(check, FAIL, str(e), "the loss would train on log-probs of other tokens or positions than were "
                        "sampled: fix what the message names before training")
     if "logprob_check" in r:  # data.pad_side=right: the span part only
         return Finding(check, OK, f"{tokens} sampled tokens: the supervised span is exactly the sampled completion, "
                        f"right after the prompt block; log-prob comparison {r['logprob_check']}")
-    tol_max, tol_mean = opd.alignment_tolerance(cfg, precision)
+    tol_max, tol_mean = opd.alignment_tolerance(precision, runtime=cfg.runtime)
     paths = "; ".join(f"{what}max {r[f'{key}_max_abs_dlogp']:.2g}, mean {r[f'{key}_mean_abs_dlogp']:.2g}, weight-0 "
                       f"share {r[f'{key}_weight0_share']:.2g}"
                       for key, what in (("recompute", ""), ("teacher_path", "on the teacher's input: "))
@@ -312,7 +314,9 @@ def vllm_finding(cfg: Config, student, tok, examples, prompts, dtype, device, ac
     cfg_v = replace(cfg, "rollout.engine=vllm")
     log(f"sampling {len(prompts)} prompts from the student (vllm engine)")
     batch = sample_batch(cfg_v, student, tok, examples, prompts, ac)
-    return alignment_finding("alignment (vllm)", cfg_v, batch, student, opd.check_precision(cfg_v, dtype, device), ac)
+    precision = opd.check_precision(dtype, device, engine=engine_name(cfg_v, device),
+                                    static_cache=cfg_v.rollout.static_cache)
+    return alignment_finding("alignment (vllm)", cfg_v, batch, student, precision, ac)
 
 
 def memory_finding(cfg: Config, inputs: Inputs, prompts: list[list[int]], device: torch.device) -> Finding:

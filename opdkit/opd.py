@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from opdkit import loss_table
-from opdkit.config import Config
+from opdkit.config import LossConfig, RolloutConfig, RuntimeConfig
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.sampling import sample_seed
-from opdkit.engines.select import engine_name
 from opdkit.teacher import (
     AlignmentError,
     Geometry,
@@ -94,17 +93,20 @@ def pad_offsets(batch: Batch) -> dict:
     return out
 
 
-def check_precision(cfg: Config, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def check_precision(compute_dtype: torch.dtype, device: torch.device, *, engine: str,
+                    static_cache: bool) -> torch.dtype:
     """The lower precision of the scorer (``compute_dtype``) and the sampler: on CUDA the static
-    decoder (``rollout.static_cache``) and vLLM sample with bf16 weights whatever the compute dtype."""
-    bf16_sampler = device.type == "cuda" and (engine_name(cfg, device) == "vllm" or cfg.rollout.static_cache)
+    decoder (``static_cache``: ``rollout.static_cache``) and vLLM (``engine``: the sampler's engine,
+    ``rollout.engine`` resolved for ``device`` by ``engines.select.engine_name``) sample with bf16
+    weights whatever the compute dtype."""
+    bf16_sampler = device.type == "cuda" and (engine == "vllm" or static_cache)
     return torch.bfloat16 if bf16_sampler else compute_dtype
 
 
-def alignment_tolerance(cfg: Config, dtype: torch.dtype) -> tuple[float, float]:
-    """(max, mean) |recomputed - sampling-time log-prob| allowed at compute ``dtype``."""
-    R = cfg.runtime
-    return R.alignment_tol_bf16 if dtype in (torch.bfloat16, torch.float16) else R.alignment_tol_fp32
+def alignment_tolerance(dtype: torch.dtype, *, runtime: RuntimeConfig) -> tuple[float, float]:
+    """(max, mean) |recomputed - sampling-time log-prob| allowed at compute ``dtype``
+    (``runtime.alignment_tol_bf16`` / ``_fp32``)."""
+    return runtime.alignment_tol_bf16 if dtype in (torch.bfloat16, torch.float16) else runtime.alignment_tol_fp32
 
 
 def check_right_padded_span(g: Geometry, completion_ids_B_T, completion_mask_B_T, prompt_mask_B_Sp) -> dict:
@@ -134,7 +136,8 @@ def check_right_padded_span(g: Geometry, completion_ids_B_T, completion_mask_B_T
     return {"alignment_rows": int(m_B_T.shape[0]), "alignment_tokens": int(m_B_T.sum())}
 
 
-def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> dict:
+def alignment_report(loss: LossConfig, batch: Batch, student, dtype: torch.dtype, *, rollout: RolloutConfig,
+                     runtime: RuntimeConfig, teacher_source: str) -> dict:
     """The alignment self-check on a step's batch; raises ``AlignmentError`` when it fails.
 
     1. Layout of the student's and the teacher's scored sequences: left padding (``check_alignment``):
@@ -144,16 +147,17 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
        Under right padding the log-prob comparison below is skipped (the pads shift every scored
        position: ``pad_offset_*`` records by how much) and the report says so (``logprob_check``).
     2. The student's log-probs of the sampled tokens recomputed as the loss computes them (log π
-       at ``rollout.temperature`` / ``top_p``) must equal the sampling-time ones
-       (``Rollout.sampling_logp_B_T``) within ``alignment_tolerance`` (max and mean over the tokens
-       inside the recomputed nucleus): a sampler that saw other positions, other context or other
-       logits (a penalty, a processor the recompute does not apply, another temperature) fails.
+       at ``rollout.temperature`` / ``top_p``: ``loss_table.update_policy`` of ``loss``) must equal the
+       sampling-time ones (``Rollout.sampling_logp_B_T``) within ``alignment_tolerance`` at ``dtype``
+       (``runtime.alignment_tol_*``; max and mean over the tokens inside the recomputed nucleus): a
+       sampler that saw other positions, other context or other logits (a penalty, a processor the
+       recompute does not apply, another temperature) fails.
     3. Apart from that, the weight-0 share: sampled tokens that the recompute puts outside its top-p
        nucleus (π = 0: the update gives them weight 0; rounding or a tie at the nucleus' edge that
        the sampler broke otherwise), at most ``runtime.alignment_max_weight0_share`` of the tokens.
-    4. With ``teacher.source=model`` the teacher's input is scored by the sampling policy through
-       the teacher's path and must match the same way: a teacher that sees the completion shifted,
-       or another prompt, fails.
+    4. With ``teacher_source`` (``teacher.source``) = ``model`` the teacher's input is scored by the
+       sampling policy through the teacher's path and must match the same way: a teacher that sees
+       the completion shifted, or another prompt, fails.
     Returns the counts, ``recompute_max_abs_dlogp`` / ``recompute_mean_abs_dlogp`` /
     ``recompute_weight0_share`` (and ``teacher_path_*``). Call it under the step's autocast, on a
     batch sampled by ``student``.
@@ -169,21 +173,21 @@ def alignment_report(cfg: Config, batch: Batch, student, dtype: torch.dtype) -> 
     out = check_alignment(student_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T, ro.prompt_mask_B_Sp)
     out.update(check_alignment(teacher_geometry(batch), ro.completion_ids_B_T, ro.completion_mask_B_T,
                                batch.teacher_prompt_mask_B_Sp))
-    tol_max, tol_mean = alignment_tolerance(cfg, dtype)
-    max_share = cfg.runtime.alignment_max_weight0_share
+    tol_max, tol_mean = alignment_tolerance(dtype, runtime=runtime)
+    max_share = runtime.alignment_max_weight0_share
     paths = {"recompute": (student_geometry(batch), "the student's log-probs of the sampled tokens, recomputed as "
                                                     "the loss computes them,")}
-    if cfg.teacher.source == "model":
+    if teacher_source == "model":
         paths["teacher_path"] = (teacher_geometry(batch), "the log-probs of the sampled tokens on the teacher's input "
                                                           "(scored by the student through the teacher's path)")
     m_B_T = ro.completion_mask_B_T.bool()
     _, head = unwrap(student)
-    temperature, top_p = loss_table.update_policy(cfg.loss, cfg.rollout)
+    temperature, top_p = loss_table.update_policy(loss, rollout)
     dt = str(dtype).replace("torch.", "")
     for key, (g, what) in paths.items():
         with torch.no_grad():
-            h_B_T_H = completion_hidden(student, g, cfg.runtime.unpadded_rows)
-            logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, cfg.runtime.logprob_chunk, temperature,
+            h_B_T_H = completion_hidden(student, g, runtime.unpadded_rows)
+            logp_B_T = token_logprobs(head, h_B_T_H, ro.completion_ids_B_T, runtime.logprob_chunk, temperature,
                                       top_p)
         inside_N = logp_B_T[m_B_T] != float("-inf")  # N masked-in tokens; NaN counts as inside (and fails below)
         d_N = (logp_B_T[m_B_T] - recorded_logp(ro)[m_B_T])[inside_N].abs()

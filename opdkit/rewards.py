@@ -44,10 +44,15 @@ gradient there would be off-policy: refused (``check_params``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from opdkit import biases, grading, loss_table
 from opdkit.data import Example
+
+if TYPE_CHECKING:
+    from opdkit.config import LossConfig
 
 STD_EPS = 1e-6  # reward_norm: std adds it to each group's standard deviation (verl's GRPO epsilon)
 
@@ -123,18 +128,20 @@ def grade_rewards(texts: list[str], examples: list[Example], where: str = "the t
     return out
 
 
-def step_rewards(cfg, tokenizer, rollout, examples: list[Example], where: str = "the training data"):
+def step_rewards(loss: LossConfig, tokenizer, rollout, examples: list[Example], where: str = "the training data", *,
+                 samples_per_prompt: int):
     """The step's rewards and advantages: ``(adv_B, r_B)``, both (B,) float on the rollout's device,
-    rows prompt-major (``examples``: one per prompt, G = ``rollout.samples_per_prompt`` rows each).
-    ``adv_B`` is the group-centred advantage A_b (not yet times λ)."""
-    G = cfg.rollout.samples_per_prompt
+    rows prompt-major (``examples``: one per prompt, G = ``samples_per_prompt`` rows each, the params'
+    ``rollout.samples_per_prompt``). ``adv_B`` is the group-centred advantage A_b (not yet times λ),
+    by ``loss.reward_baseline`` and ``loss.reward_norm``."""
+    G = samples_per_prompt
     B = rollout.completion_ids_B_T.shape[0]
     assert B == len(examples) * G, f"{B} rows for {len(examples)} prompts x {G} samples"
     lengths = rollout.completion_mask_B_T.sum(dim=1).long().tolist()
     texts = [completion_text(tokenizer, rollout.completion_ids_B_T[b, :lengths[b]].tolist()) for b in range(B)]
     r_B = torch.tensor(grade_rewards(texts, [ex for ex in examples for _ in range(G)], where))
     # (P, G) -> (B,)
-    adv_B = group_advantages(r_B.view(-1, G), cfg.loss.reward_baseline, cfg.loss.reward_norm).reshape(-1)
+    adv_B = group_advantages(r_B.view(-1, G), loss.reward_baseline, loss.reward_norm).reshape(-1)
     device = rollout.completion_ids_B_T.device
     return adv_B.to(device), r_B.to(device)
 
@@ -147,14 +154,17 @@ def step_metrics(r_B: torch.Tensor, G: int) -> dict:
     return {"reward_sum": float(r_B.sum()), "samples": r_B.numel(), "tied": int(tied.sum()), "groups": r_P_G.shape[0]}
 
 
-def attach(cfg, batch, tokenizer, examples: list[Example], world, where: str = "the training data") -> tuple | None:
-    """The training loop's step: with ``loss.reward_weight`` set, grade the batch's completions, put
-    their advantages on ``batch.reward_adv_B`` (``step_rewards``) and return ``step_metrics``' sums
-    over the ranks (``world.sum``), for ``finish_metrics``; None (nothing graded) at λ = 0."""
-    if not cfg.loss.reward_weight:
+def attach(loss: LossConfig, batch, tokenizer, examples: list[Example], world, where: str = "the training data", *,
+           samples_per_prompt: int) -> tuple | None:
+    """The training loop's step: with ``loss.reward_weight`` set, grade the batch's completions
+    (``samples_per_prompt`` = G rows per example), put their advantages on ``batch.reward_adv_B``
+    (``step_rewards``) and return ``step_metrics``' sums over the ranks (``world.sum``), for
+    ``finish_metrics``; None (nothing graded) at λ = 0."""
+    if not loss.reward_weight:
         return None
-    batch.reward_adv_B, r_B = step_rewards(cfg, tokenizer, batch.rollout, examples, where)
-    return world.sum(*step_metrics(r_B, cfg.rollout.samples_per_prompt).values())
+    batch.reward_adv_B, r_B = step_rewards(loss, tokenizer, batch.rollout, examples, where,
+                                           samples_per_prompt=samples_per_prompt)
+    return world.sum(*step_metrics(r_B, samples_per_prompt).values())
 
 
 def finish_metrics(sums: tuple | None, m: dict) -> dict:

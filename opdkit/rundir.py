@@ -206,7 +206,7 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
             log(f"resuming from {state['path']}: step {step}, {elapsed0:.1f}s of the wall budget already spent"
                 + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
                    if lost_elapsed > state["elapsed_s"] else ""))
-        reason = should_stop(cfg, step, elapsed0 + time.monotonic() - t_start, 0.0)
+        reason = should_stop(step, elapsed0 + time.monotonic() - t_start, 0.0, budget=cfg.budget)
         reason, done = world.from_main((reason, bool(reason) and state is not None
                                         and (ahead is not None or is_published(out, step))))
         if done:

@@ -17,7 +17,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from opdkit.config import Config
+    from opdkit.config import BudgetConfig
 
 SCHEDULES = ("constant", "linear", "cosine", "wallclock_cosine")
 
@@ -131,11 +131,12 @@ def lr_at(
     return base * warmup_factor(step, warmup_steps)
 
 
-def should_stop(cfg: Config, step: int, elapsed: float, last_step_s: float, save_s: float = 0.0) -> str | None:
-    """Why the loop stops before step ``step + 1``: the step horizon, or the wall budget (the next
-    step, as long as the last one, then the final saves, ``save_s``, would end within
-    budget.deadline_reserve_s of it); else None."""
-    b = cfg.budget
+def should_stop(step: int, elapsed: float, last_step_s: float, save_s: float = 0.0, *,
+                budget: BudgetConfig) -> str | None:
+    """Why the loop stops before step ``step + 1``: the step horizon (``budget.max_steps``), or the
+    wall budget (``budget.max_wall_time_s``: the next step, as long as the last one, then the final
+    saves, ``save_s``, would end within ``budget.deadline_reserve_s`` of it); else None."""
+    b = budget
     if b.max_steps and step >= b.max_steps:
         return "step_horizon"
     if b.max_wall_time_s and elapsed + last_step_s + save_s + b.deadline_reserve_s >= b.max_wall_time_s:

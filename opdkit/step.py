@@ -3,7 +3,7 @@
 ``opdkit.train``'s loop calls these four, in this order, once per step (and owns everything around
 them: budgets, signals, saves, train.jsonl)::
 
-    batch, reward, lag = step.draw(cfg, inputs, run, sampling, world, i, data_pos, check, ...)
+    batch, reward, lag = step.draw(cfg.loss, inputs, run, sampling, world, i, data_pos, check, ..., seed=cfg.seed, ...)
     scores = step.score_batch(cfg.loss, run.teacher, batch, run.autocast, run.teacher_ctx, rollout=cfg.rollout, ...)
     m, n_tok, n_seq, n_trunc = step.loss_and_backward(cfg.loss, run, world, batch, scores, reward, rollout=..., ...)
     grad_norm, bad, skips = step.update(run, sampling.engine, m, i + 1, skips, log, grad_clip=..., ...)
@@ -11,8 +11,8 @@ them: budgets, signals, saves, train.jsonl)::
 Each function takes what it reads of the params, not the whole ``Config``: the loss's section first
 (``loss``: it decides what the teacher scores and what the loss computes), the other sections or
 values by keyword (``rollout``, ``runtime``, ``micro_batch``, ``teacher_names``, ...), the step's data
-positionally. ``draw`` and ``check_alignment`` take the ``Config``: they hand it on (to
-``rewards.attach`` and ``schedules.should_stop``; to ``opd.alignment_report`` and ``opd.check_precision``).
+positionally; so do the functions they call elsewhere (``rewards.attach``, ``schedules.should_stop``,
+``opd.alignment_report``, ``opd.check_precision``).
 
 1. **Rollout** (``draw``): P prompts x G samples from the student (the sft control: from the
    teacher, or the reference solutions), laid out with the teacher's view of the same completions
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from opdkit import distributed, guards, loss_table, losses, offline, opd, rewards, teachers
-from opdkit.config import Config, DataConfig, LossConfig, RolloutConfig, RuntimeConfig, TeacherConfig
+from opdkit.config import BudgetConfig, DataConfig, LossConfig, RolloutConfig, RuntimeConfig, TeacherConfig
 from opdkit.data import prompt_indices
 from opdkit.engines.base import left_pad
 from opdkit.engines.sampling import policy_logits
@@ -79,48 +79,52 @@ def step_batch(inputs: Inputs, run: Run, mine: slice, step_i: int, pos: int, *, 
     return examples, run.prompts(examples), seeds
 
 
-def draw(cfg: Config, inputs: Inputs, run: Run, sampling: Sampling, world: distributed.World, step: int,
-         data_pos: int, check: bool, elapsed: float, last_step_s: float, save_s: float):
+def draw(loss: LossConfig, inputs: Inputs, run: Run, sampling: Sampling, world: distributed.World, step: int,
+         data_pos: int, check: bool, elapsed: float, last_step_s: float, save_s: float, *, seed: int,
+         data: DataConfig, rollout: RolloutConfig, budget: BudgetConfig, teacher_source: str):
     """Step ``step + 1``'s batch: P prompts x G samples from the student (or the teacher / the
     references for sft; a rank of a sharded run takes prompts mine.start .. mine.stop-1), the
     teacher's view of them, and their rewards (None at λ = 0). With rollout.overlap the batch was
     drawn during the previous step, and the next step's is started here. Returns (batch, reward,
     lag): lag = updates between the weights that drew the batch and those it trains. ``check``: the
-    step's alignment check reads the sampling log-probs. ``cfg``: the whole params (``rewards.attach``
-    and ``schedules.should_stop`` take them)."""
-    R, G, engine = cfg.rollout, cfg.rollout.samples_per_prompt, sampling.engine
+    step's alignment check reads the sampling log-probs. ``loss``: who samples
+    (``loss_table.samples_from``) and the reward (``rewards.attach``); ``seed``, ``data``, ``rollout``:
+    the step's prompts and samples (``step_batch``); ``budget``: whether a next step will run, for
+    rollout.overlap (``schedules.should_stop``); ``teacher_source``: ``teacher.source`` (a privileged
+    teacher's prompt also holds the reference)."""
+    R, G, engine = rollout, rollout.samples_per_prompt, sampling.engine
     pad_id = run.tokenizer.pad_token_id
-    examples, prompts, seeds = step_batch(inputs, run, sampling.mine, step, data_pos, seed=cfg.seed, data=cfg.data,
-                                          rollout=R)
+    examples, prompts, seeds = step_batch(inputs, run, sampling.mine, step, data_pos, seed=seed, data=data, rollout=R)
     lag = 0
     settings = dict(samples_per_prompt=G, temperature=R.temperature, top_p=R.top_p, max_new_tokens=R.max_new_tokens)
-    if loss_table.samples_from(cfg.loss) == "reference":
+    if loss_table.samples_from(loss) == "reference":
         sols = [run.tokenizer(ex.solution, add_special_tokens=False).input_ids for ex in examples]
-        rollout = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
+        ro = opd.reference_rollout(prompts, sols, pad_id, run.tokenizer.eos_token_id, run.device)
     else:
         sampler = sampling.teacher_engine or engine
         with run.autocast():
-            rollout = sampler.sample(prompts, seeds=seeds, logprobs=sampling.reads_logp or check, **settings)
+            ro = sampler.sample(prompts, seeds=seeds, logprobs=sampling.reads_logp or check, **settings)
         if R.overlap:  # start drawing the next step's batch with these weights, if a next step will run
             lag = engine.lag
-            if not should_stop(cfg, step + 1, elapsed + last_step_s, last_step_s, save_s):
+            if not should_stop(step + 1, elapsed + last_step_s, last_step_s, save_s, budget=budget):
                 _, next_prompts, next_seeds = step_batch(inputs, run, sampling.mine, step + 1,
-                                                         data_pos + R.prompts_per_step, seed=cfg.seed, data=cfg.data,
+                                                         data_pos + R.prompts_per_step, seed=seed, data=data,
                                                          rollout=R)
                 engine.prefetch(next_prompts, seeds=next_seeds, logprobs=sampling.reads_logp, **settings)
-    if not cfg.teacher.source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
-        t_ids, t_mask = rollout.prompt_ids_B_Sp, rollout.prompt_mask_B_Sp
+    if not teacher_source.startswith("privileged"):  # a teacher model (HF or vLLM) sees the same prompts
+        t_ids, t_mask = ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp
     else:  # privileged: the teacher's prompt also holds the reference solution
         priv = [p for p in run.prompts(examples, privileged=True) for _ in range(G)]
         t_ids, t_mask = left_pad(priv, pad_id, run.device)
-    batch = opd.Batch(rollout, t_ids, t_mask, cfg.data.pad_side, teacher_B=run.teacher_rows(examples, G))
+    batch = opd.Batch(ro, t_ids, t_mask, data.pad_side, teacher_B=run.teacher_rows(examples, G))
     if run.xtok is not None:  # teacher.tokenizer=own: each completion's text re-tokenized by the teacher (opdkit.xtok)
         from opdkit import xtok
 
         t_prompts = [p for p in run.teacher_prompts(examples) for _ in range(G)]
-        batch.xtok = xtok.teacher_view(run.xtok, rollout.completion_ids_B_T, rollout.completion_mask_B_T, t_prompts)
+        batch.xtok = xtok.teacher_view(run.xtok, ro.completion_ids_B_T, ro.completion_mask_B_T, t_prompts)
     # --- reward branch: OPD plus a verifiable reward: every completion graded against its row's answer (None at λ = 0)
-    reward = rewards.attach(cfg, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}")
+    reward = rewards.attach(loss, batch, run.tokenizer, examples, world, f"data file {inputs.train_path}",
+                            samples_per_prompt=G)
     return batch, reward, lag
 
 
@@ -131,23 +135,28 @@ def alignment_due(step: int, first_step: int, *, runtime: RuntimeConfig) -> bool
     return runtime.alignment_check and (step == first_step or bool(every and (step + 1) % every == 0))
 
 
-def check_alignment(cfg: Config, run: Run, batch: opd.Batch, lag: int, step: int, log) -> dict | None:
+def check_alignment(loss: LossConfig, run: Run, batch: opd.Batch, lag: int, step: int, log, *,
+                    rollout: RolloutConfig, runtime: RuntimeConfig, teacher_source: str, engine: str) -> dict | None:
     """On the first batch of a start (and every ``runtime.alignment_every`` steps): the sampler's
     log-probs against the loss's recomputation (``opd.alignment_report``; ``AlignmentError`` stops
-    the run). The report, or None if not run. ``cfg``: the whole params (``opd.alignment_report`` and
-    ``opd.check_precision`` take them)."""
+    the run). The report, or None if not run (a batch drawn ahead, an offline pool's, or not the
+    student's: ``rollout.source`` / ``offline_ratio``, ``loss``). ``teacher_source``: ``teacher.source``;
+    ``engine``: the sampler's engine (``engines.select.engine_name``), for the precision the check
+    allows (``opd.check_precision``, with ``rollout.static_cache``)."""
     align = None
     if lag:
         log(f"alignment check skipped at step {step + 1}: its batch was drawn (rollout.overlap=1) by the weights one "
             "update before the current ones; it ran on the run's first batch")
-    elif cfg.rollout.source == "offline" and not (
-            step == 0 and cfg.rollout.offline_ratio == "behaviour"
+    elif rollout.source == "offline" and not (
+            step == 0 and rollout.offline_ratio == "behaviour"
             and offline.behaviour_is_student(run.teacher, run.inputs.student_path)):
         log("alignment check skipped: the offline pool's samples were drawn by its policy, not by these weights "
             "(it runs at step 0 of a run whose student is the pool's policy, rollout.offline_ratio=behaviour)")
-    elif loss_table.samples_from(cfg.loss) == "student":
+    elif loss_table.samples_from(loss) == "student":
+        precision = opd.check_precision(run.dtype, run.device, engine=engine, static_cache=rollout.static_cache)
         with run.autocast():  # recomputed as the loss recomputes them
-            align = opd.alignment_report(cfg, batch, run.student, opd.check_precision(cfg, run.dtype, run.device))
+            align = opd.alignment_report(loss, batch, run.student, precision, rollout=rollout, runtime=runtime,
+                                         teacher_source=teacher_source)
     if align and batch.xtok is not None:  # the teacher's own view: its layout, and how the two tokenizations align
         from opdkit import xtok
         from opdkit.teacher import check_alignment as check_layout

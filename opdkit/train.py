@@ -83,7 +83,7 @@ from opdkit import (
 from opdkit.checkpoints import list_checkpoints
 from opdkit.config import Config, to_dict
 from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
-from opdkit.engines.select import make_engine
+from opdkit.engines.select import engine_name, make_engine
 from opdkit.fsutil import OutputLock, atomic_write_json
 from opdkit.publish import Publisher
 from opdkit.rundir import (
@@ -406,7 +406,7 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
             # rank 0's clock for all: the same stop decision and wall-clock learning rate everywhere
             elapsed, last_step_s, save_s, after_rollout_s = world.broadcast(
                 elapsed0 + time.monotonic() - t_start, last_step_s, save_s, after_rollout_s)
-            reason = should_stop(cfg, step, elapsed, last_step_s, save_s) or _stop_signal(world)
+            reason = should_stop(step, elapsed, last_step_s, save_s, budget=cfg.budget) or _stop_signal(world)
             abandoned = None
             if not reason:
                 at.step, at.phase = step + 1, "rollout"
@@ -421,8 +421,10 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                     with interrupt.deadline(None if left is None else time.monotonic() + left):
                         # 1. rollout, 2. teacher scoring, 3. loss + backward, 4. update
                         check = opd_step.alignment_due(step, first_step, runtime=cfg.runtime)
-                        batch, reward, lag = opd_step.draw(cfg, inputs, run, lp.sampling, world, step, data_pos, check,
-                                                           elapsed, last_step_s, save_s)
+                        batch, reward, lag = opd_step.draw(
+                            cfg.loss, inputs, run, lp.sampling, world, step, data_pos, check, elapsed, last_step_s,
+                            save_s, seed=cfg.seed, data=cfg.data, rollout=cfg.rollout, budget=cfg.budget,
+                            teacher_source=cfg.teacher.source)
                 except interrupt.StepAbandoned as e:
                     abandoned = e.reason
                 abandoned = _abandoned_on_ranks(world, abandoned)
@@ -442,7 +444,9 @@ def _train_locked(cfg: Config, inputs: Inputs, out: Path, log, progress: bool, t
                         + f"), deadline reserve {b.deadline_reserve_s:g}s")
                 break
             t1 = _clock(run.device)
-            align = opd_step.check_alignment(cfg, run, batch, lag, step, log) if check else None
+            align = opd_step.check_alignment(
+                cfg.loss, run, batch, lag, step, log, rollout=cfg.rollout, runtime=cfg.runtime,
+                teacher_source=cfg.teacher.source, engine=engine_name(cfg, run.device)) if check else None
             at.phase = "score"
             try:
                 contexts = opd_step.score_batch(cfg.loss, run.teacher, batch, run.autocast, run.teacher_ctx,

@@ -16,6 +16,7 @@ from opdkit.config import Config, replace
 from opdkit.data import encode_prompt, load_examples
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.hf import HFEngine
+from opdkit.engines.select import engine_name
 from opdkit.models import load_model, load_tokenizer
 from opdkit.teacher import AlignmentError
 
@@ -92,7 +93,8 @@ class StandInSampler:
 def _report(student, ro, teacher_ids=None, teacher_mask=None, cfg=CFG):
     batch = opd.Batch(ro, ro.prompt_ids_B_Sp if teacher_ids is None else teacher_ids,
                       ro.prompt_mask_B_Sp if teacher_mask is None else teacher_mask)
-    return opd.alignment_report(cfg, batch, student, torch.float32)
+    return opd.alignment_report(cfg.loss, batch, student, torch.float32, rollout=cfg.rollout, runtime=cfg.runtime,
+                                teacher_source=cfg.teacher.source)
 
 
 def test_faithful_samplers_pass(student, tokenizer, prompts):
@@ -137,15 +139,19 @@ def test_a_teacher_that_sees_the_completion_one_token_later_stops_the_run(studen
 
 def test_tolerance_follows_the_compute_dtype():
     cfg = replace(CFG, "runtime.alignment_tol_fp32=[1e-3, 1e-4]", "runtime.alignment_tol_bf16=[0.5, 0.02]")
-    assert opd.alignment_tolerance(cfg, torch.float32) == (1e-3, 1e-4)
-    assert opd.alignment_tolerance(cfg, torch.bfloat16) == (0.5, 0.02)
+    assert opd.alignment_tolerance(torch.float32, runtime=cfg.runtime) == (1e-3, 1e-4)
+    assert opd.alignment_tolerance(torch.bfloat16, runtime=cfg.runtime) == (0.5, 0.02)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # the CUDA samplers hold bf16 weights
-    assert opd.check_precision(cfg, torch.float32, cpu) == torch.float32
-    assert opd.check_precision(cfg, torch.float32, cuda) == torch.bfloat16
+
+    def precision(c, dtype, device):  # as the loop asks it: rollout.engine resolved for the device
+        return opd.check_precision(dtype, device, engine=engine_name(c, device), static_cache=c.rollout.static_cache)
+
+    assert precision(cfg, torch.float32, cpu) == torch.float32
+    assert precision(cfg, torch.float32, cuda) == torch.bfloat16
     hf_dynamic = replace(cfg, "rollout.engine=hf", "rollout.static_cache=false")  # model.generate in fp32
-    assert opd.check_precision(hf_dynamic, torch.float32, cuda) == torch.float32
-    assert opd.check_precision(replace(hf_dynamic, "rollout.engine=vllm"), torch.float32, cuda) == torch.bfloat16
-    assert opd.check_precision(cfg, torch.bfloat16, cpu) == torch.bfloat16
+    assert precision(hf_dynamic, torch.float32, cuda) == torch.float32
+    assert precision(replace(hf_dynamic, "rollout.engine=vllm"), torch.float32, cuda) == torch.bfloat16
+    assert precision(cfg, torch.bfloat16, cpu) == torch.bfloat16
 
 
 def test_opdkit_train_exits_non_zero_with_the_reason(tmp_path, monkeypatch, capsys, student, tokenizer):

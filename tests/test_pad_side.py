@@ -95,13 +95,14 @@ def test_under_right_padding_the_span_check_stays_on_and_the_logprob_comparison_
     """The released [OPSD align]: the supervised span is exactly the sampled completion, no pad between the
     prompt block and it. It passes on the released layout and fails on a span that is not the completion."""
     cfg = config_from_dict({}, ["data.pad_side=right"])
-    report = alignment_report(cfg, _batch("right"), tiny_llama, torch.float32)
+    settings = dict(rollout=cfg.rollout, runtime=cfg.runtime, teacher_source=cfg.teacher.source)
+    report = alignment_report(cfg.loss, _batch("right"), tiny_llama, torch.float32, **settings)
     assert report["alignment_tokens"] == 6 and report["logprob_check"].startswith("skipped: data.pad_side=right")
     assert not any(k.endswith("_abs_dlogp") for k in report)
     bad = _batch("right")
     bad.rollout.completion_mask_B_T[2] = torch.tensor([1.0, 0.0, 1.0])  # a pad inside row 2's supervised span
     with pytest.raises(AlignmentError, match="has a gap"):
-        alignment_report(cfg, bad, tiny_llama, torch.float32)
+        alignment_report(cfg.loss, bad, tiny_llama, torch.float32, **settings)
     from opdkit.opd import check_right_padded_span
 
     g = student_geometry(_batch("right"))

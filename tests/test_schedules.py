@@ -92,10 +92,11 @@ def test_the_stop_rule_counts_the_next_step_and_the_final_saves():
 
     cfg = load_config(None, ["budget.max_wall_time_s=100", "budget.deadline_reserve_s=10", "budget.max_steps=50"])
     # elapsed + next step + saves + reserve against the budget: 60 + 5 + 24 + 10 = 99 < 100 runs, 25 s of saves stops
-    assert schedules.should_stop(cfg, 3, 60.0, 5.0, 24.0) is None
-    assert schedules.should_stop(cfg, 3, 60.0, 5.0, 25.0) == "wall_clock"
-    assert schedules.should_stop(cfg, 50, 0.0, 0.0, 0.0) == "step_horizon"
-    assert schedules.should_stop(load_config(None, ["budget.max_wall_time_s=0"]), 3, 1e9, 5.0, 1e9) is None
+    assert schedules.should_stop(3, 60.0, 5.0, 24.0, budget=cfg.budget) is None
+    assert schedules.should_stop(3, 60.0, 5.0, 25.0, budget=cfg.budget) == "wall_clock"
+    assert schedules.should_stop(50, 0.0, 0.0, 0.0, budget=cfg.budget) == "step_horizon"
+    no_wall = load_config(None, ["budget.max_wall_time_s=0"]).budget
+    assert schedules.should_stop(3, 1e9, 5.0, 1e9, budget=no_wall) is None
 
 
 def test_wallclock_clock_starts_at_the_first_step():

@@ -199,7 +199,9 @@ def padding_study(cfg: Config, out: str | Path, progress: bool = True) -> dict:
     chunk = cfg.runtime.logprob_chunk
     # The kit's own collation of these rollouts must pass the alignment self-check.
     batch = Batch(ro, ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp)
-    alignment = {**alignment_report(cfg, batch, setup.student, torch.float32), "passed": True}  # fp32 models
+    alignment = {**alignment_report(cfg.loss, batch, setup.student, torch.float32, rollout=cfg.rollout,
+                                    runtime=cfg.runtime, teacher_source=cfg.teacher.source),
+                 "passed": True}  # fp32 models
     right_error = None
     if max(ks) > 0:
         sg = right_pad_geometry(ro.prompt_ids_B_Sp, ro.prompt_mask_B_Sp, ro.completion_ids_B_T,
