@@ -13,6 +13,7 @@
 #   g3a: carry .lane             the decoder's GPU tests, the projections and the decoder with the GEMV kernels (~4 min)
 #   g3b: carry .lane             S1 at 1,024 / 7,168 by default and without gradient checkpointing (7,168: micro-batches
 #                                of 2 rows) (~6 min)
+#   g4: carry .lane              g3a's tests and decoder, S1 at 1,024 (4 steps) and 7,168 (3) by default (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -42,6 +43,16 @@ case $PHASE in
       tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
     lim 60 python3 bench/gemv_bench.py --out "$OUT" --quick > "$OUT/gemv_log.txt" 2>&1
     lim 120 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
+    ;;
+  g4)
+    lim 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode_kernels.py \
+      > "$OUT/tests.txt" 2>&1
+    lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
+    for T in 1024 7168; do
+      lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_$T" --recipe s1 \
+        --steps $([ $T = 1024 ] && echo 4 || echo 3) -S rollout.max_new_tokens=$T >> "$OUT/parts.txt" 2>&1
+      rm -rf "$R/runs/s1_$T"
+    done
     ;;
   g3b)
     for run in "1024 default" "1024 no_ckpt -S runtime.grad_checkpointing=false" \

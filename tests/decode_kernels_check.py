@@ -67,16 +67,6 @@ def kernels() -> None:
             err2 = float((want - got).abs().max())
             check(f"linear / linear_silu {rows}x{n_in}->{n_out} bias={bias} config={config}",
                   err < 1e-5 and err2 < 1e-5, f"max err {err:.1e} / {err2:.1e}")
-        nw = torch.rand(n_in) + 0.5
-        for r_B_K, silu in ((torch.randn(rows, n_in), False), (None, True), (torch.randn(rows, n_in), True)):
-            h = torch.randn(rows, n_in) * 2
-            w_X_K, b_X = (w_2N_K, b_2N) if silu else (w_N_K, b_N)
-            want, want_h = dk.norm_linear_ref(h, r_B_K, nw, 1e-6, w_X_K, b_X, silu)
-            h_before = h.clone()
-            got, got_h = dk.norm_linear(h, r_B_K, nw, 1e-6, w_X_K, b_X, silu, (16, 64, 2, 4, 3))
-            err = float((want - got).abs().max())
-            check(f"norm_linear {rows}x{n_in}->{n_out} add={r_B_K is not None} silu={silu}",
-                  err < 1e-5 and torch.equal(want_h, got_h) and torch.equal(h, h_before), f"max err {err:.1e}")
     raw = torch.randn(B, V) * 3
     seeds = torch.tensor([1, 2 ** 62 + 5, 7])
     for tau in (1.0, 0.6, 1.1):

@@ -266,12 +266,10 @@ def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, split, 4, 4
 
 
-def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, norm=None):
+def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None):
     """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
     rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
-    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``). ``norm``
-    ``(r_B_K or None, weight_K, eps)``: of ``add_rms_norm_ref(x, r, weight, eps)``'s normed rows instead of x
-    (x the residual stream, left as it is); returns (out, the sum x + r (x itself without r)) then."""
+    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``)."""
     k = _kernels()
     B, KD = x_B_K.shape
     if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
@@ -284,20 +282,15 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, norm=None):
     part = (torch.empty((split, BP, 2 * N if silu else N), dtype=torch.float32, device=x_B_K.device) if split > 1
             else out_B_N)
     bias = b_X if b_X is not None else out_B_N  # unread without HAS_BIAS
-    r_B_K, nw_K, eps = norm if norm is not None else (None, None, 0.0)
-    add = r_B_K is not None
-    h_B_K = torch.empty_like(x_B_K) if add else x_B_K
     grid = (-(-N // block_n), split)
     ieee = x_B_K.dtype == torch.float32
-    k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, r_B_K if add else x_B_K, nw_K if norm else x_B_K, h_B_K,
-                    float(eps), B, N, KD, x_B_K.stride(0), w_X_K.stride(0), r_B_K.stride(0) if add else 0,
-                    K_PER=per_split, K_ALL=-(-KD // block_k) * block_k, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k,
-                    SPLIT=split, HAS_BIAS=b_X is not None, SILU=silu, NORM=norm is not None, ADD=add, IEEE=ieee,
-                    num_warps=warps, num_stages=stages)
+    k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
+                    K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
+                    SILU=silu, IEEE=ieee, num_warps=warps, num_stages=stages)
     if split > 1:
         k["gemv_reduce"][(-(-N // 64),)](part, bias, out_B_N, B, N, BP=BP, BLOCK_N=64, SPLIT=split,
                                          HAS_BIAS=b_X is not None, SILU=silu, num_warps=4)
-    return out_B_N if norm is None else (out_B_N, h_B_K)
+    return out_B_N
 
 
 def linear(x_B_K, w_N_K, b_N, config=None) -> torch.Tensor:
@@ -308,19 +301,3 @@ def linear(x_B_K, w_N_K, b_N, config=None) -> torch.Tensor:
 def linear_silu(x_B_K, w_2I_K, b_2I, config=None) -> torch.Tensor:
     """``linear_silu_ref`` as ``gemv_launch``'s kernel(s): the gate/up projection and silu * up in one pass."""
     return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config)
-
-
-def norm_linear_ref(h_B_K, r_B_K, norm_w_K, eps: float, w_X_K, b_X, silu: bool):
-    """``add_rms_norm_ref`` (or ``rms_norm_ref`` without ``r``) then ``linear_ref`` / ``linear_silu_ref`` of
-    the normed rows: (out, the new residual stream h + r, h itself without r). ``h`` is not modified."""
-    if r_B_K is None:
-        h_new_B_K, x_B_K = h_B_K, rms_norm_ref(h_B_K, norm_w_K, eps)
-    else:
-        h_new_B_K, x_B_K = add_rms_norm_ref(h_B_K.clone(), r_B_K, norm_w_K, eps)
-    return (linear_silu_ref if silu else linear_ref)(x_B_K, w_X_K, b_X), h_new_B_K
-
-
-def norm_linear(h_B_K, r_B_K, norm_w_K, eps: float, w_X_K, b_X, silu: bool, config=None):
-    """``norm_linear_ref`` as ``gemv_launch``'s kernel(s): the residual add and RMSNorm inside the projection."""
-    N = w_X_K.shape[0] // 2 if silu else w_X_K.shape[0]
-    return gemv_launch(h_B_K, w_X_K, b_X, N, silu, config, norm=(r_B_K, norm_w_K, eps))

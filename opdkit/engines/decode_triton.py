@@ -181,16 +181,12 @@ def _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS: tl.constexpr, SI
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, add_ptr, nw_ptr, hout_ptr, eps, B, N, KD, stride_x,
-                stride_w, stride_a, K_PER: tl.constexpr, K_ALL: tl.constexpr, BP: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                SILU: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr):
+def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stride_w,
+                K_PER: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr):
     """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
     slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
-    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. NORM: x is the
-    residual stream h, and the product is taken of its RMSNorm by the weight ``nw_ptr`` (``add_rms_norm_kernel``'s
-    rounding; ADD: of h + the addend ``add_ptr``, the sum written to ``hout_ptr`` by the first program): each
-    program first reads the whole rows (K_ALL inputs, whole blocks) for their statistics."""
+    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.arange(0, BP)
@@ -199,34 +195,11 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, add_ptr, nw_ptr, hout_pt
     nmask = n < N
     acc = tl.zeros([BP, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BP, BLOCK_N], tl.float32)
-    rstd = tl.zeros([BP], tl.float32)
-    if NORM:
-        ss = tl.zeros([BP], tl.float32)
-        first = (pid == 0) & (s == 0)
-        for i in range(0, K_ALL // BLOCK_K):
-            k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            m2 = rmask[:, None] & (k < KD)[None, :]
-            hv = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=m2, other=0.0)
-            if ADD:
-                av = tl.load(add_ptr + r[:, None] * stride_a + k[None, :], mask=m2, other=0.0)
-                hv = (hv.to(tl.float32) + av.to(tl.float32)).to(hv.dtype)  # the residual add, rounded
-                tl.store(hout_ptr + r[:, None] * KD + k[None, :], hv, mask=m2 & first)
-            hf = hv.to(tl.float32)
-            ss += tl.sum(hf * hf, 1)
-        rstd = 1.0 / tl.sqrt_rn(ss / KD + eps)
     k_lo = s * K_PER
     for i in range(0, K_PER // BLOCK_K):  # K_PER: the inputs of one split, whole blocks
         k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < KD
         x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:
-            if ADD:
-                av = tl.load(add_ptr + r[:, None] * stride_a + k[None, :], mask=rmask[:, None] & kmask[None, :],
-                             other=0.0)
-                x = (x.to(tl.float32) + av.to(tl.float32)).to(x.dtype)
-            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)  # rounded, then scaled (HF's order)
-            nw = tl.load(nw_ptr + k, mask=kmask, other=0.0)
-            x = (y.to(tl.float32) * nw.to(tl.float32)[None, :]).to(x.dtype)
         wmask = nmask[:, None] & kmask[None, :]
         w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0)
         if IEEE:
