@@ -39,8 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from opdkit import opd  # noqa: E402
-from opdkit import step as opd_step  # noqa: E402
+from opdkit import opd, step as opd_step  # noqa: E402
 
 G = 4  # samples per prompt (S1)
 
@@ -49,7 +48,8 @@ def append(out: Path, row: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "results.jsonl").open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")
-    print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "top_functions")}, default=str), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "top_functions")}, default=str),
+          flush=True)
 
 
 def sync(device) -> float:
@@ -67,7 +67,8 @@ def lane_prompts(root: Path, tok, n: int, start: int = 0) -> list[list[int]]:
 
     cfg = load_config(ROOT / "recipes" / "s1.yaml")
     examples = load_examples(root / "s1" / "train.jsonl", cfg.data)
-    return [encode_prompt(examples[i], tok, cfg.data) for i in prompt_indices(0, len(examples), start, n, cfg.data.order)]
+    return [encode_prompt(examples[i], tok, cfg.data)
+            for i in prompt_indices(0, len(examples), start, n, cfg.data.order)]
 
 
 def copy_bandwidth(device) -> float:
@@ -81,8 +82,8 @@ def bounds(model_cfg, bw: float, B: int, mean_len: float) -> dict:
     """Decode steps/s bounds at batch ``B``: weights only, and weights + the KV cache at ``mean_len`` tokens."""
     c = model_cfg
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    H, Hkv, L, I, V = c.hidden_size, c.num_key_value_heads, c.num_hidden_layers, c.intermediate_size, c.vocab_size
-    per_layer = H * (c.num_attention_heads * D + 2 * Hkv * D) + c.num_attention_heads * D * H + 3 * H * I + 2 * H
+    H, Hkv, L, Im, V = c.hidden_size, c.num_key_value_heads, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    per_layer = H * (c.num_attention_heads * D + 2 * Hkv * D) + c.num_attention_heads * D * H + 3 * H * Im + 2 * H
     weights = 2 * (L * per_layer + V * H + H)  # bf16: decoder layers, final norm, LM head (the embedding: one row)
     kv = B * mean_len * L * 2 * Hkv * D * 2
     return {"weight_bytes": weights, "kv_bytes": kv, "bw_Bps": bw, "bound_weights_steps_per_s": bw / weights,
@@ -137,11 +138,11 @@ def static(args) -> None:
     """The static-cache decoder (``opdkit.engines.static``) at batch 8: kernels per eager decode step,
     replayed decode steps/s, and where a replayed step's device time goes; the same for main's
     version of the module (``--static-main``, the 'before') when given."""
+    from transformers import AutoModelForCausalLM
+
     from opdkit.engines import static as new
     from opdkit.engines.base import left_pad
     from opdkit.models import load_tokenizer
-
-    from transformers import AutoModelForCausalLM
 
     device = "cpu" if args.tiny else "cuda"
     out, root = Path(args.out), Path(args.root)
@@ -334,8 +335,8 @@ def _profile_vllm(engine, model, rows, params, out: Path, device, T: int, tiny: 
             top, ms, launches = kernel_table(prof, Tp, device)
             res.update(device_ms_per_step=ms, launches_per_step=launches, device_busy_frac=ms / (1e3 * wall / Tp),
                        top_kernels=top[:12])
-            write_profile(out, "vllm", f"vLLM engine, batch {len(rows)}, {Tp} tokens: {1e3 * wall / Tp:.3f} wall ms and "
-                                       f"{ms:.3f} device ms per decode step, {launches} kernels", top)
+            write_profile(out, "vllm", f"vLLM engine, batch {len(rows)}, {Tp} tokens: {1e3 * wall / Tp:.3f} "
+                                       f"wall ms and {ms:.3f} device ms per decode step, {launches} kernels", top)
         append(out, res)
         res = {"what": "vllm_cprofile", "batch": len(rows), "max_new_tokens": Tp}
         engine.sync_weights(model)
@@ -346,8 +347,8 @@ def _profile_vllm(engine, model, rows, params, out: Path, device, T: int, tiny: 
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
         with (out / "profile_vllm.txt").open("a") as f:
-            f.write(f"\n## cProfile of the engine loop, batch {len(rows)}, {Tp} tokens ({1e3 * cpu_wall / Tp:.3f} ms per "
-                    "step under cProfile), by own time\n" + buf.getvalue()[-9000:])
+            f.write(f"\n## cProfile of the engine loop, batch {len(rows)}, {Tp} tokens "
+                    f"({1e3 * cpu_wall / Tp:.3f} ms per step under cProfile), by own time\n" + buf.getvalue()[-9000:])
         res["ms_per_step_under_cprofile"] = 1e3 * cpu_wall / Tp
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -374,7 +375,8 @@ def vllm_raw(args) -> None:
     kw["enable_sleep_mode"] = False
     if args.async_scheduling is not None:
         kw["async_scheduling"] = bool(args.async_scheduling)
-    res = {"what": "vllm_raw", "mp": args.mp, "async_scheduling": args.async_scheduling, "batch": 8, "max_new_tokens": T}
+    res = {"what": "vllm_raw", "mp": args.mp, "async_scheduling": args.async_scheduling, "batch": 8,
+           "max_new_tokens": T}
     try:
         t0 = time.perf_counter()
         llm = vllm.LLM(**kw)
@@ -404,9 +406,9 @@ def trl(args) -> None:
     checkpointing; ``--trl-vllm``: its own colocated vLLM generation. TRL refuses a teacher whose
     vocab_size differs from the student's (the real pair: 152,064 vs 151,936 rows), so the teacher's
     embedding and head are cut to the student's rows here (rows past the tokenizer's ids are padding)."""
+    import trl as trl_pkg
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
-    import trl as trl_pkg
     from trl import DistillationConfig, DistillationTrainer
 
     from opdkit.models import load_tokenizer
@@ -513,8 +515,9 @@ def update(args) -> None:
         try:
             times: dict[str, list] = {}
             for rep in range(4):  # rep 0 warms up (allocator, cuBLAS, autotuning); rep 3 is profiled
-                prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                               + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+                prof = (torch.profiler.profile(
+                            activities=[torch.profiler.ProfilerActivity.CPU]
+                            + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
                         if rep == 3 else contextlib.nullcontext())
                 with prof:
                     t0 = sync(device)
@@ -582,14 +585,14 @@ def _s1_table(out: Path, rows: list[dict]) -> list[str]:
         med[r["name"]] = step
         peak = max([s.get("peak_mem_gb") or 0 for s in r["rows"]], default=None)
         L.append(f"| {r['name']} {' '.join(r.get('overrides', []))} | {r['rc']} | {_f(step)} | "
-                 f"{_f(cols['time_rollout_s'])} | {_f(cols['time_score_s'], '.2f')} | {_f(cols['time_update_s'], '.2f')} | "
-                 f"{_f(per_row, '.0f')} | {_f(peak)} |")
+                 f"{_f(cols['time_rollout_s'])} | {_f(cols['time_score_s'], '.2f')} | "
+                 f"{_f(cols['time_update_s'], '.2f')} | {_f(per_row, '.0f')} | {_f(peak)} |")
     L += _pairs_table(runs, rows)
     for r in rows:
         if r["what"] == "trl" and r["rows"] and med.get("s1_default"):
             last = r["rows"][-1]
-            L.append(f"\nTRL step {last['step']} / opdkit's default S1 step (median of steps 2-4), {r['max_new_tokens']} "
-                     f"new tokens: {_f(last['step_s'])} / {_f(med['s1_default'])} s = "
+            L.append(f"\nTRL step {last['step']} / opdkit's default S1 step (median of steps 2-4), "
+                     f"{r['max_new_tokens']} new tokens: {_f(last['step_s'])} / {_f(med['s1_default'])} s = "
                      f"{_f(last['step_s'] / med['s1_default'], '.2f')}x")
     return L
 
@@ -602,9 +605,11 @@ def _pairs_table(runs: list[dict], rows: list[dict]) -> list[str]:
     for r in runs:
         if r.get("what") == "train" and r["name"].startswith("s1_") and r["name"][3:].isdigit():
             later = [x for x in r["rows"] if 2 <= x.get("step", 0) <= 4]
-            step = _median([sum(x.get(k) or 0 for k in ("time_rollout_s", "time_score_s", "time_update_s")) for x in later])
+            step = _median([sum(x.get(k) or 0 for k in ("time_rollout_s", "time_score_s", "time_update_s"))
+                            for x in later])
             first = next((x for x in r["rows"] if x.get("step") == 1), None)
-            startup = (first["elapsed_s"] - sum(first.get(k) or 0 for k in ("time_rollout_s", "time_score_s", "time_update_s"))
+            startup = (first["elapsed_s"]
+                       - sum(first.get(k) or 0 for k in ("time_rollout_s", "time_score_s", "time_update_s"))
                        if first and first.get("elapsed_s") is not None else None)
             kit[int(r["name"][3:])] = dict(step=step, tok=_median([x.get("tokens") for x in later]), startup=startup,
                                            parts=[_median([x.get(k) for x in later]) for k in
@@ -628,14 +633,15 @@ def _pairs_table(runs: list[dict], rows: list[dict]) -> list[str]:
                if k.get("tok") and k.get("step") and t.get("tok") and t.get("step") else "")
         kp = " / ".join(_f(x, ".2f") for x in k.get("parts", []))
         tp = " / ".join(_f(x, ".2f") for x in t.get("parts", []))
-        L.append(f"| {T:,} | {_f(k.get('step'), '.2f')} ({kp}) | {_f(k.get('startup'))} | {_f(t.get('step'), '.2f')} ({tp}) | "
-                 f"{_f(ratio, '.2f')}x | {tps} |")
+        L.append(f"| {T:,} | {_f(k.get('step'), '.2f')} ({kp}) | {_f(k.get('startup'))} | "
+                 f"{_f(t.get('step'), '.2f')} ({tp}) | {_f(ratio, '.2f')}x | {tps} |")
     return L
 
 
 def report(args) -> str:
     out = Path(args.out)
-    rows = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()] if (out / "results.jsonl").is_file() else []
+    rows = ([json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()]
+            if (out / "results.jsonl").is_file() else [])
     L = []
     st = [r for r in rows if r["what"] == "static"]
     if st:
@@ -650,13 +656,15 @@ def report(args) -> str:
         by: dict[str, list] = {}
         for r in lev:
             by.setdefault(r["lever"], []).append(r.get("decode_steps_per_s"))
-        L += ["", f"| vLLM lever, batch 8, {lev[0]['max_new_tokens']} tokens | decode steps/s (each round) |", "|---|---|"]
+        L += ["", f"| vLLM lever, batch 8, {lev[0]['max_new_tokens']} tokens | decode steps/s (each round) |",
+              "|---|---|"]
         L += [f"| {k} | {' / '.join(_f(v, '.0f') for v in vs)} |" for k, vs in by.items()]
     for r in rows:
         if r["what"] == "vllm_engine_sample":
-            L += ["", f"opdkit's VLLMEngine.sample (wake, generate, sleep, to_rollout), batch 8 x {r['max_new_tokens']}: "
-                      f"{_f(r.get('decode_steps_per_s'), '.0f')} steps/s; bounds at {_f(r.get('bw_Bps', 0) / 1e12, '.2f')} "
-                      f"TB/s: weights {_f(r.get('bound_weights_steps_per_s'), '.0f')}, weights + KV "
+            L += ["", f"opdkit's VLLMEngine.sample (wake, generate, sleep, to_rollout), batch 8 x "
+                      f"{r['max_new_tokens']}: {_f(r.get('decode_steps_per_s'), '.0f')} steps/s; bounds at "
+                      f"{_f(r.get('bw_Bps', 0) / 1e12, '.2f')} TB/s: weights "
+                      f"{_f(r.get('bound_weights_steps_per_s'), '.0f')}, weights + KV "
                       f"{_f(r.get('bound_weights_kv_steps_per_s'), '.0f')} steps/s {r.get('error', '')}"]
         elif r["what"] == "vllm_batch64":
             L += [f"batch 64 x {r['max_new_tokens']}: {_f(r.get('tokens_per_s'), '.0f')} tokens/s {r.get('error', '')}"]
@@ -666,12 +674,14 @@ def report(args) -> str:
                   f"{r.get('launches_per_step', '')} kernels {r.get('error', '')}"]
         elif r["what"] == "vllm_raw":
             L += [f"bare vllm.LLM, multiprocessing={r['mp']}, async_scheduling={r['async_scheduling']}: "
-                  f"{_f(r.get('decode_steps_per_s'), '.0f')} steps/s (start {_f(r.get('start_s'))} s) {r.get('error', '')}"]
+                  f"{_f(r.get('decode_steps_per_s'), '.0f')} steps/s (start {_f(r.get('start_s'))} s) "
+                  f"{r.get('error', '')}"]
         elif r["what"] == "trl":
             L += ["", f"TRL {r.get('trl')} DistillationTrainer, {r['max_new_tokens']} tokens, vLLM={r['vllm']}, peak "
-                      f"{_f(r.get('peak_gib'))} GiB {r.get('error', '')[:200]}", "| step | step s | rollout s | score + update s |",
-                  "|---|---|---|---|"]
-            L += [f"| {s['step']} | {_f(s['step_s'])} | {_f(s['rollout_s'])} | {_f(s['score_update_s'])} |" for s in r["rows"]]
+                      f"{_f(r.get('peak_gib'))} GiB {r.get('error', '')[:200]}",
+                  "| step | step s | rollout s | score + update s |", "|---|---|---|---|"]
+            L += [f"| {s['step']} | {_f(s['step_s'])} | {_f(s['rollout_s'])} | {_f(s['score_update_s'])} |"
+                  for s in r["rows"]]
     L += _s1_table(out, rows)
     text = "\n".join(L) + "\n"
     (out / "speed.md").write_text(text)
@@ -692,7 +702,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
     ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
     args = ap.parse_args(argv)
-    {"static": static, "update": update, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl, "report": report}[args.what](args)
+    {"static": static, "update": update, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl,
+     "report": report}[args.what](args)
     return 0
 
 
