@@ -23,11 +23,10 @@ from pathlib import Path
 import pytest
 
 from opdkit import trainer_state
-from opdkit.checkpoints import list_checkpoints
 from opdkit.embedded import asset
 from procs import env
+from signal_harness import REPO, OpdkitRunner, gone, leftovers, validate, wait_for, write_sitecustomize
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
         "runtime.threads=1", "optim.schedule=constant", "budget.max_wall_time_s=0", "tracking=none"]
 SAVES = ["budget.max_steps=8", "publish.every_steps=2"]  # the signal arrives long before the step horizon
@@ -87,7 +86,6 @@ FAULTS = {
 
 def fault_env(tmp_path: Path, *faults: str, **extra) -> dict:
     site, marks = tmp_path / "site", tmp_path / "marks"
-    site.mkdir(exist_ok=True)
     marks.mkdir(exist_ok=True)
     code = textwrap.dedent("""
         import os, pathlib, time
@@ -97,60 +95,35 @@ def fault_env(tmp_path: Path, *faults: str, **extra) -> dict:
             if not p.exists():
                 p.write_text(str(os.getpid()))
     """) + "".join(textwrap.dedent(FAULTS[f]) for f in faults)
-    (site / "sitecustomize.py").write_text(code)
+    write_sitecustomize(site, code)
     return env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), OPDKIT_TEST_MARKS=str(marks), **extra)
 
 
+def train_args(out: Path, *overrides: str) -> list[str]:
+    return ["train", "--out", str(out), "-p", "none", "--quiet", *[x for o in overrides for x in ("-S", o)]]
+
+
 def train_cmd(out: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "opdkit", "train", "--out", str(out), "-p", "none", "--quiet",
-            *[x for o in overrides for x in ("-S", o)]]
-
-
-def wait_for(cond, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
-        time.sleep(0.02)
+    return [sys.executable, "-m", "opdkit", *train_args(out, *overrides)]
 
 
 def mark(tmp_path: Path, name: str) -> Path:
     return tmp_path / "marks" / name
 
 
-def validate(out: Path) -> list[str]:
-    """Every checkpoint that survives, validated by `opdkit validate` (all of them must be valid); their names."""
-    ckpts = list_checkpoints(out / "checkpoints")
-    if ckpts:
-        proc = subprocess.run([sys.executable, "-m", "opdkit", "validate", *map(str, ckpts)], capture_output=True,
-                              text=True, timeout=300, env=env(PYTHONPATH=str(REPO)))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return [c.name for c in ckpts]
+@pytest.fixture(scope="module")
+def runner():
+    """The plain reruns: ``opdkit train`` in processes forked from one that imported opdkit once (signal_harness)."""
+    r = OpdkitRunner()
+    yield r
+    r.close()
 
 
-def leftovers(out: Path) -> list[str]:
-    return sorted(p.name for d in (out / "checkpoints", out / "state") if d.is_dir() for p in d.iterdir()
-                  if p.name.startswith("."))
-
-
-def gone(pid: int, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def resume_and_finish(out: Path, *overrides: str, steps: int = 8) -> None:
+def resume_and_finish(runner: OpdkitRunner, out: Path, *overrides: str, steps: int = 8) -> None:
     """A plain rerun resumes from what survived and ends with exit 0 and valid checkpoints, the last at ``steps``."""
-    r = subprocess.run(train_cmd(out, *overrides), capture_output=True, text=True, timeout=600,
-                       env=env(PYTHONPATH=str(REPO)))
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, stdout, stderr = runner.run(train_args(out, *overrides), out.parent / "rerun")
+    assert code == 0, stderr[-3000:]
+    assert "resuming from" in stdout, stdout[-3000:]
     assert validate(out)[-1] == f"checkpoint-{steps}" and not leftovers(out)
 
 
@@ -181,7 +154,7 @@ def signal_the_group_during_a_save(tmp_path: Path, what: str, offset: float, sig
     out = tmp_path / "out"
     proc = launch(tmp_path, out, launcher, faults, nproc)
     try:
-        wait_for(mark(tmp_path, what).exists, proc, 300, f"a {what} save")
+        wait_for(mark(tmp_path, what).exists, proc, 300, f"a {what} save", poll=0.02)
         time.sleep(offset)
         os.killpg(proc.pid, sig)
         _, stderr = proc.communicate(timeout=300)
@@ -193,7 +166,7 @@ def signal_the_group_during_a_save(tmp_path: Path, what: str, offset: float, sig
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_stop_signal_to_the_process_group_during_a_save_never_costs_it(tmp_path, case):
+def test_a_stop_signal_to_the_process_group_during_a_save_never_costs_it(runner, tmp_path, case):
     what, offset, sig, launcher = CASES[case]
     proc, stderr, out = signal_the_group_during_a_save(tmp_path, what, offset, sig, launcher, (f"slow_{what}",))
     assert proc.returncode == 128 + sig, stderr[-3000:]
@@ -206,10 +179,10 @@ def test_a_stop_signal_to_the_process_group_during_a_save_never_costs_it(tmp_pat
     assert not leftovers(out)
     if launcher == "run.sh":
         assert f"run.sh: training was killed by signal {int(sig)} (exit {128 + sig})" in stderr
-    resume_and_finish(out, *TINY, *SAVES)
+    resume_and_finish(runner, out, *TINY, *SAVES)
 
 
-def test_a_helper_forked_with_the_trainers_handlers_stops_on_the_groups_signal_and_the_save_completes(tmp_path):
+def test_a_helper_forked_with_the_trainers_handlers_stops_on_the_groups_signal_and_the_save_completes(runner, tmp_path):
     proc, stderr, out = signal_the_group_during_a_save(tmp_path, "state", 1.0, signal.SIGTERM, "train",
                                                        ("slow_state", "helper"))
     (helper,) = [int(p.name.split("-")[1]) for p in (tmp_path / "marks").glob("helper-*")]
@@ -218,12 +191,12 @@ def test_a_helper_forked_with_the_trainers_handlers_stops_on_the_groups_signal_a
     assert stderr.count("received: stopping") == 1  # the trainer's; the helper did not take part
     run = json.loads((out / "run.json").read_text())
     assert validate(out)[-1] == f"checkpoint-{run['step']}" and not leftovers(out)
-    resume_and_finish(out, *TINY, *SAVES)
+    resume_and_finish(runner, out, *TINY, *SAVES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["state", "export"])
-def test_a_stop_signal_to_the_group_of_a_two_rank_torchrun_during_a_save_never_costs_it(tmp_path, what):
+def test_a_stop_signal_to_the_group_of_a_two_rank_torchrun_during_a_save_never_costs_it(runner, tmp_path, what):
     proc, stderr, out = signal_the_group_during_a_save(tmp_path, what, 1.0, signal.SIGTERM, "run.sh", (f"slow_{what}",),
                                                        nproc=2)
     assert proc.returncode == 143, stderr[-3000:]
@@ -231,10 +204,10 @@ def test_a_stop_signal_to_the_group_of_a_two_rank_torchrun_during_a_save_never_c
     assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")
     assert validate(out)[-1] == f"checkpoint-{run['step']}" and trainer_state.peek(out)["step"] == run["step"] >= 2
     assert not leftovers(out)
-    resume_and_finish(out, *TINY, *SAVES)  # in one process: the state of two ranks resumes under one
+    resume_and_finish(runner, out, *TINY, *SAVES)  # in one process: the state of two ranks resumes under one
 
 
-def test_a_teacher_that_stops_on_the_same_signal_abandons_the_step_and_the_last_complete_one_is_saved(tmp_path):
+def test_a_teacher_that_stops_on_the_same_signal_abandons_the_step_and_the_last_complete_one_is_saved(runner, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(train_cmd(out, *TINY, *SAVES), cwd=tmp_path, env=fault_env(tmp_path, "teacher_dies"),
                           text=True, capture_output=True, timeout=600, start_new_session=True)
@@ -245,7 +218,7 @@ def test_a_teacher_that_stops_on_the_same_signal_abandons_the_step_and_the_last_
     state = trainer_state.peek(out)
     assert state["step"] == 1 and state["data_pos"] == 2  # step 2's prompts: not used
     assert validate(out) == ["checkpoint-1"] and not leftovers(out)
-    resume_and_finish(out, *TINY, *SAVES)
+    resume_and_finish(runner, out, *TINY, *SAVES)
 
 
 # --- a long rollout: a stop signal, and a wall budget the first step would overrun ------------------------------------

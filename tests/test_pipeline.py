@@ -223,8 +223,18 @@ def _env(tmp: Path) -> dict:
     return e
 
 
+def _one_cpu(args: list[str]) -> list[str]:
+    """``args`` on one CPU (``taskset``, where there is one): the train and eval stages start one worker process
+    per CPU they may run on (opdkit/stages/jobs.py default_workers), each importing torch and transformers before
+    its first job, seconds of CPU; on one CPU one worker runs their few tiny jobs one after another. The stages
+    and jobs are the same; the runs are seeded and deterministic with one thread, whatever the workers.
+    (Several workers at once: tests/test_stage_jobs.py.)"""
+    taskset = shutil.which("taskset")
+    return [taskset, "-c", str(min(os.sched_getaffinity(0))), *args] if taskset else args
+
+
 def _run(args: list[str], cwd: Path, env: dict, timeout: float = 600) -> str:
-    proc = subprocess.run(args, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+    proc = subprocess.run(_one_cpu(args), cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
     assert proc.returncode == 0, (f"{' '.join(args)} failed ({proc.returncode}):\n"
                                   f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc.stdout + proc.stderr
@@ -297,7 +307,8 @@ def test_dvc_repro_on_tiny_params(tmp_path):
         assert (repo / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     nb_metrics = json.loads((runs / "notebooks" / "repeat_runs" / "metrics.json").read_text())
     assert nb_metrics["groups"]["rkl"]["mean"] == pytest.approx(rep["groups"]["rkl"]["mean"])
-    shown = json.loads(_dvc(repo, env, "metrics", "show", "--json"))[""]["data"]["runs/report/report.json"]["data"]
+    metrics = json.loads(_dvc(repo, env, "metrics", "show", "--json"))[""]["data"]  # the report's and the track's
+    shown = metrics["runs/report/report.json"]["data"]
     assert shown["groups"]["rkl"]["mean"] == rep["groups"]["rkl"]["mean"] and "teacher" in shown["groups"]
     # each run's training seconds (its final checkpoint's), beside its steps
     final4 = json.loads((runs / "train" / "sft_reference" / "seed1" / "checkpoints" / "checkpoint-4" / "opdkit.json")
@@ -325,7 +336,7 @@ def test_dvc_repro_on_tiny_params(tmp_path):
         points = json.loads((runs / "curves" / r / "curve.json").read_text())["points"]
         assert sorted((int(d["step"]), float(d["accuracy"])) for d in drawn["eval_accuracy"] if d["run"] == r) == [
             (p["step"], p["accuracy"]) for p in points]
-    tracked = json.loads(_dvc(repo, env, "metrics", "show", "--json"))[""]["data"]["runs/track/metrics.json"]["data"]
+    tracked = metrics["runs/track/metrics.json"]["data"]
     for r, rows in jsonl.items():
         arm, seed = r.split("/")
         final = json.loads((runs / "eval" / arm / f"{seed}.json").read_text())["accuracy"]

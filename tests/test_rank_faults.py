@@ -26,8 +26,8 @@ import torch
 from opdkit import trainer_state
 from opdkit.checkpoints import list_checkpoints
 from procs import env
+from signal_harness import REPO, alive, descendants, still_alive, wait_for, write_sitecustomize
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
         "runtime.threads=1", "optim.schedule=constant", "budget.max_wall_time_s=0"]
 FAULTS = {
@@ -61,54 +61,14 @@ FAULTS = {
 
 
 def fault_env(tmp_path: Path, fault: str, rank: int = 1, **extra) -> dict:
-    site = tmp_path / "fault_site"
-    site.mkdir(exist_ok=True)
     code = "import os\nif os.environ.get('RANK') == os.environ.get('OPDKIT_TEST_FAULT_RANK'):\n"
-    code += textwrap.indent(textwrap.dedent(FAULTS[fault]), "    ")
-    (site / "sitecustomize.py").write_text(code)
+    site = write_sitecustomize(tmp_path / "fault_site", code + textwrap.indent(textwrap.dedent(FAULTS[fault]), "    "))
     return env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), OPDKIT_TEST_FAULT_RANK=str(rank), **extra)
 
 
 def torchrun_cmd(out: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "opdkit",
             "train", "--out", str(out), "-p", "none", "--quiet", *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def alive(pids: set[int]) -> set[int]:
-    live = set()
-    for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            live.add(p)
-    return live
-
-
-def wait_for(cond, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"{what} never came"
-        time.sleep(0.05)
 
 
 def two_workers(proc: subprocess.Popen) -> set[int]:
@@ -168,10 +128,8 @@ def test_sigterm_to_torchrun_stops_every_rank_of_a_stuck_run(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    deadline = time.monotonic() + 10
-    while alive(workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(workers), f"ranks left running after torchrun ended: {alive(workers)}"
+    left = still_alive(workers)
+    assert not left, f"ranks left running after torchrun ended: {left}"
     assert proc.returncode != 0
     print(f"SIGTERM to torchrun: every rank gone after {took:.1f}s")
 
@@ -234,7 +192,7 @@ def test_sigkill_of_every_rank_while_the_state_is_written_then_a_rerun_ends_bit_
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not alive(workers)
+    assert not still_alive(workers)  # (SIGKILLed: on their way out, if not yet gone)
     kept = trainer_state.peek(out)
     assert kept["step"] == 1 and kept["path"].name == "trainer_state-1"  # the half-written one is not a state
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1"]

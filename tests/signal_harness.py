@@ -1,0 +1,212 @@
+"""What the tests that stop, signal and kill real ``opdkit train`` runs share (test_end_of_run.py,
+test_rank_faults.py): faults planted through a ``sitecustomize``, waiting for a run to reach a point,
+process states from /proc, checkpoints validated, and a warm runner for the plain reruns after a fault.
+
+Validation runs ``opdkit validate``'s own code (``opdkit.cli.main``) in the test's process: a
+``python -m opdkit validate`` process spends seconds of CPU importing torch and transformers for a
+check of a fraction of a second, and these tests validate about twenty times.
+
+``OpdkitRunner``: a process that imports opdkit, torch and transformers once and forks a fresh
+child for each command (``opdkit.cli.main(argv)``, then the interpreter's normal exit, as
+``python -m opdkit``): the child is a process of its own with its own exit status, stdout and
+stderr, with nothing run before it but those imports. It serves the reruns, which only have to
+resume; the runs that are signalled are always started as the launcher under test starts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from opdkit.checkpoints import list_checkpoints
+from procs import env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_sitecustomize(site: Path, code: str) -> Path:
+    """``site/sitecustomize.py`` holding ``code`` (put ``site`` first on PYTHONPATH: every Python process of
+    the run imports it at start-up); ``site``."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(code)
+    return site
+
+
+def output_tail(proc: subprocess.Popen, n: int = 3000) -> str:
+    """The end of an ended ``proc``'s piped stdout and stderr (what explains an early end), if it gives them soon."""
+    try:
+        out, err = proc.communicate(timeout=10)  # a grandchild that holds the pipe open: give up after 10 s
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return ""
+    return "\n".join(x[-n:] for x in (out, err) if isinstance(x, str) and x)
+
+
+def wait_for(cond, proc: subprocess.Popen, timeout: float, what: str, poll: float = 0.05) -> None:
+    """Until ``cond()``; fails if ``proc`` ends first (with its output's end) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}\n{output_tail(proc)}")
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(poll)
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``Z``: a zombie), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pids) -> set[int]:
+    """Those of ``pids`` that still run (neither gone nor zombies)."""
+    return {p for p in pids if proc_state(p) not in (None, "Z")}
+
+
+def still_alive(pids, timeout: float = 10) -> set[int]:
+    """Those of ``pids`` still running after up to ``timeout`` seconds (empty as soon as all have ended: a
+    process signalled a moment ago, even by SIGKILL, may still be on its way out)."""
+    deadline = time.monotonic() + timeout
+    while (live := alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live
+
+
+def gone(pid: int, timeout: float = 10) -> bool:
+    """Whether ``pid`` stops running (gone or a zombie) within ``timeout`` seconds."""
+    return not still_alive([pid], timeout)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def validate(out: Path) -> list[str]:
+    """Every checkpoint that survives in ``out``, validated by ``opdkit validate`` (all of them must be valid);
+    their names."""
+    from opdkit.cli import main
+
+    ckpts = list_checkpoints(out / "checkpoints")
+    if ckpts:
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            code = main(["validate", *map(str, ckpts)])
+        assert code == 0, said.getvalue()
+    return [c.name for c in ckpts]
+
+
+def leftovers(out: Path) -> list[str]:
+    """Hidden (temporary) entries left in the checkpoints and state folders."""
+    return sorted(p.name for d in (out / "checkpoints", out / "state") if d.is_dir() for p in d.iterdir()
+                  if p.name.startswith("."))
+
+
+# --- a warm runner for plain `opdkit` commands --------------------------------------------------------------------
+
+_SERVER = r'''
+import json, os, sys
+import opdkit.cli
+for name in sys.argv[1:]:  # what every `opdkit train` imports anyway, once
+    __import__(name)
+assert os.listdir("/proc/self/task") == [str(os.getpid())], "threads before a fork"  # fork only a 1-thread process
+
+def serve():
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            return job
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+    return None
+
+job = serve()
+if job is None:  # the tests are done: nothing to flush or clean up here
+    os._exit(0)
+else:  # a fresh child: the command, then the interpreter's normal exit with main's status
+    os.chdir(job["cwd"])
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = ["opdkit", *job["argv"]]
+    sys.exit(opdkit.cli.main(job["argv"]))
+'''
+# (not pandas nor pyarrow, which the runs import too: importing them starts a thread)
+PRELOAD = ("opdkit.train", "opdkit.checkpoints", "opdkit.embedded", "opdkit.recipes",
+           "transformers.models.llama.modeling_llama", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto")
+
+
+class OpdkitRunner:
+    """``run(argv, logs)``: ``opdkit *argv`` in a child forked from a process that has imported opdkit, torch and
+    transformers (in the environment ``env(PYTHONPATH=REPO)``); its exit status, stdout and stderr."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, *PRELOAD], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env(PYTHONPATH=str(REPO)))
+        self.said = b""  # what the runner wrote that is not read yet
+
+    def run(self, argv: list[str], logs: Path, cwd: Path | None = None, timeout: float = 600) -> tuple[int, str, str]:
+        logs.mkdir(parents=True, exist_ok=True)
+        out, err = logs / "stdout.txt", logs / "stderr.txt"
+        job = {"argv": [str(a) for a in argv], "cwd": str(cwd or Path.cwd()), "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+        self.proc.stdin.flush()
+        started = self._reply(300)  # (the runner's first command waits for its imports)
+        assert started is not None, "the runner started no command within 300s"
+        pid = started["pid"]
+        done = self._reply(timeout)
+        if done is None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            self._reply(60)  # its status: the runner is ready for the next command
+        said = out.read_text(errors="replace"), err.read_text(errors="replace")
+        assert done is not None, f"opdkit {' '.join(job['argv'])} did not end within {timeout}s:\n{said[1][-3000:]}"
+        return done["status"], *said
+
+    def _reply(self, timeout: float) -> dict | None:
+        """The runner's next line (None if none came within ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.said:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            got = os.read(fd, 4096)
+            assert got, f"the runner ended (exit {self.proc.poll()})"
+            self.said += got
+        line, self.said = self.said.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
