@@ -35,9 +35,11 @@ def tiny_llama(tok):
 # first, so one long file of few tests, test_pipeline's dvc repro, started near the end and ran alone);
 # with the longest first, the wall time is about the total over the workers, not a long file's tail.
 # The order: per-file wall times measured with --durations (issue 27, a busy 2-core machine: shares
-# only); files not listed keep their order after these. It decides the order only, never what runs.
-LONGEST_FIRST = ("test_pipeline.py", "test_notebooks.py", "test_faults.py", "test_realscale.py", "test_distributed.py",
-                 "test_resume.py", "test_cli_errors.py", "test_runsh.py", "test_teachers.py", "test_vllm_teacher.py",
+# only; test_end_of_run ~5 min, test_rank_faults and test_decode_kernels ~2 each, placed 2026-12-02 from
+# their files' own runs); files not listed keep their order after these. It decides the order only, never what runs.
+LONGEST_FIRST = ("test_pipeline.py", "test_end_of_run.py", "test_notebooks.py", "test_faults.py", "test_realscale.py",
+                 "test_distributed.py", "test_resume.py", "test_cli_errors.py", "test_runsh.py", "test_rank_faults.py",
+                 "test_decode_kernels.py", "test_teachers.py", "test_vllm_teacher.py",
                  "test_collectives.py", "test_fixture.py", "test_doctor.py",
                  "test_publish.py", "test_train_losses.py", "test_stage_jobs.py", "test_sampling.py",
                  "test_rollout.py", "test_privileged_live.py", "test_teacher.py", "test_studies.py")
