@@ -21,19 +21,6 @@ from pathlib import Path
 import torch
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write)."""
-    a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 10 * 2 * a.numel() * 2 / (time.perf_counter() - t0)
-
-
 def time_calls(fn, layers: int, replays: int = 20) -> float:
     """Microseconds per call of ``fn(i)`` for i in 0..layers-1, captured once as a CUDA graph and replayed."""
     side = torch.cuda.Stream()
@@ -68,12 +55,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="the default configuration only, no grid")
     ap.add_argument("--budget-s", type=float, default=150.0, help="the grid's seconds, shared out over the shapes")
     args = ap.parse_args(argv)
+    from opd_bench import copy_bandwidth  # bench/ is this script's directory: on sys.path
+
     from opdkit.engines import decode_kernels as dk
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda", numel=2**28, warmup=3, reps=10)  # as bench/s1_speed.py measures it
     B, H, Im, X, L = args.batch, args.hidden, args.mlp, args.qkv, args.layers
     dt = torch.bfloat16
     shapes = {  # name: (outputs N, inputs K, bias, silu)
