@@ -154,7 +154,8 @@ def static(args) -> None:
     seeds = opd.step_seeds(0, 0, len(rows))
     T = args.max_new_tokens or (8 if args.tiny else 2048)
     bw = copy_bandwidth(device)
-    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {})}  # the projections through cuBLAS / the GEMV kernels
+    # the projections through cuBLAS / the GEMV kernels / those and the layers' kernels under PDL
+    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {}), "pdl": (new, dict(pdl=True))}
     if args.static_main and Path(args.static_main).is_file():
         impls = {"main": (_load_static(args.static_main), {}), **impls}
     for name, (mod, kw_dec) in impls.items():

@@ -16,6 +16,7 @@
 # skipped), appends its result to $OUT/results.jsonl (bench/s1_speed.py) or $OUT/runs.jsonl (bench/real_lane.py)
 # the moment it exists, and a failing part does not stop the next. Out (8 files at most): log.txt,
 # results.jsonl, runs.jsonl, speed.md (the tables), profile_*.txt, logs.tgz (the parts' output and each run's log).
+# SPEED_S1_OPTS: more options for the table's S1 runs (e.g. "-S rollout.decode_pdl=true"; said in log.txt).
 # SPEED_TINY=1: the CPU dry run (tiny shapes; vLLM parts need vLLM importable, TRL parts TRL).
 set -uo pipefail
 PHASE=${1:?usage: bash bench/s1_speed.sh levers|table|all}
@@ -38,6 +39,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 source bench/vllm_tree.sh  # /tmp/site from all three parts, or nothing
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+[ -n "${SPEED_S1_OPTS:-}" ] && echo "S1 runs with: $SPEED_S1_OPTS" >> "$OUT/log.txt"
 log "s1_speed $PHASE on $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null) at $(date -u +%FT%TZ), budget ${BUDGET}s"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>/dev/null | tee -a "$OUT/log.txt"
 if [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 60000000 ]; then R=/dev/shm/lane; else R=/tmp/lane; fi
@@ -62,7 +64,7 @@ table() {  # opdkit and TRL at each length of SPEED_LENGTHS, one after the other
       && log "TRL wheels installed in /tmp/trlsite" || log "TRL wheels: install failed"
   fi
   for T in ${SPEED_LENGTHS:-1024 3072 7168}; do
-    part s1_$T 200 40 $L train $A --name s1_$T --recipe s1 --steps 4 -S rollout.max_new_tokens=$T
+    part s1_$T 200 40 $L train $A --name s1_$T --recipe s1 --steps 4 -S rollout.max_new_tokens=$T ${SPEED_S1_OPTS:-}
     rm -rf "$R/runs/s1_$T"
     PYTHONPATH=$PYTHONPATH:/tmp/trlsite part trl_$T 240 60 $S trl $A --max-new-tokens $T --steps ${SPEED_TRL_STEPS:-3} --trl-vllm
     rm -rf "$R/trl_out"
