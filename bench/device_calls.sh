@@ -63,6 +63,11 @@ case $PHASE in
     lim 70 python3 bench/gemv_bench.py --out "$OUT" --quick > "$OUT/gemv_log.txt" 2>&1
     lim 180 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
     ;;
+  p3)  # p1's measurement, short: the PDL tests, the projections, the decoder with / without PDL
+    lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new,pdl >> "$OUT/parts.txt" 2>&1
+    lim 30 python3 bench/gemv_bench.py --out "$OUT" --quick > "$OUT/gemv_log.txt" 2>&1
+    lim 60 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "pdl or gemv" > "$OUT/tests.txt" 2>&1
+    ;;
   p2)
     for run in "1024 4 false" "1024 4 true" "7168 3 false" "7168 3 true"; do
       set -- $run

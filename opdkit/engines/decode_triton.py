@@ -212,12 +212,12 @@ def _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS: tl.constexpr, SI
 def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stride_w,
                 K_PER: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
-                PDL: tl.constexpr = False, LINE: tl.constexpr = 64):
+                PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
     """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
     slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
-    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. Under PDL each program
-    first asks for its weight slice in L2 (``LINE`` elements a 128-byte line; the weights are no kernel's
-    output), so the stream starts while the previous kernel still runs."""
+    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. PREFETCH (under PDL):
+    each program first asks for its weight slice in L2 (``LINE`` elements a 128-byte line; the weights are no
+    kernel's output), so the stream starts while the previous kernel still runs."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.arange(0, BP)
@@ -225,7 +225,7 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stri
     rmask = r < B
     nmask = n < N
     k_lo = s * K_PER
-    if PDL:
+    if PREFETCH:
         rows = tl.minimum(n, N - 1)
         for i in range(0, K_PER // BLOCK_K):
             k = tl.minimum(k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE, KD - 1)
