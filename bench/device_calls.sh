@@ -13,9 +13,6 @@
 #   g3a: carry .lane             the decoder's GPU tests, the projections and the decoder with the GEMV kernels (~4 min)
 #   g3b: carry .lane             S1 at 1,024 / 7,168 by default and without gradient checkpointing (7,168: micro-batches
 #                                of 2 rows) (~6 min)
-#   p1: carry .lane              the GPU tests, the projections with and without PDL, the decoder: cuBLAS / GEMV / GEMV + PDL (~7 min)
-#   p2: carry .lane              S1 at 1,024 (4 steps) and 7,168 (3) with rollout.decode_pdl false / true; writes /tmp/s1_opts,
-#                                the setting a later phase c in the same machine runs (bench/pick_pdl.py) (~6 min)
 #   g4: carry .lane              g3a's tests and decoder, S1 at 1,024 (4 steps) and 7,168 (3) by default (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
@@ -57,27 +54,6 @@ case $PHASE in
       rm -rf "$R/runs/s1_$T"
     done
     ;;
-  p1)
-    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode_kernels.py \
-      > "$OUT/tests.txt" 2>&1
-    lim 70 python3 bench/gemv_bench.py --out "$OUT" --quick > "$OUT/gemv_log.txt" 2>&1
-    lim 180 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
-    ;;
-  p3)  # p1's measurement, short: the PDL tests, the projections, the decoder with / without PDL
-    lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new,pdl >> "$OUT/parts.txt" 2>&1
-    lim 30 python3 bench/gemv_bench.py --out "$OUT" --quick > "$OUT/gemv_log.txt" 2>&1
-    lim 60 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "pdl or gemv" > "$OUT/tests.txt" 2>&1
-    ;;
-  p2)
-    for run in "1024 4 false" "1024 4 true" "7168 3 false" "7168 3 true"; do
-      set -- $run
-      lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_$1_pdl_$3" --recipe s1 --steps $2 \
-        -S rollout.max_new_tokens=$1 -S rollout.decode_pdl=$3 >> "$OUT/parts.txt" 2>&1
-      rm -rf "$R/runs/s1_$1_pdl_$3"
-    done
-    # phase c's S1 runs take rollout.decode_pdl=true where it was faster at both lengths here (said in its log)
-    python3 bench/pick_pdl.py "$OUT/runs.jsonl" > /tmp/s1_opts 2>> "$OUT/calls.txt"; cat /tmp/s1_opts >> "$OUT/calls.txt"
-    ;;
   g3b)
     for run in "1024 default" "1024 no_ckpt -S runtime.grad_checkpointing=false" \
                "7168 default" "7168 no_ckpt_mb2 -S runtime.grad_checkpointing=false -S optim.micro_batch=2"; do
@@ -110,7 +86,6 @@ case $PHASE in
     lim 380 bash bench/formal_timeline.sh >> "$OUT/parts.txt" 2>&1
     ;;
   c)
-    [ -z "${SPEED_S1_OPTS:-}" ] && [ -f /tmp/s1_opts ] && SPEED_S1_OPTS=$(cat /tmp/s1_opts)
     SPEED_S1_OPTS=${SPEED_S1_OPTS:-} SPEED_BUDGET_S=${SPEED_BUDGET_S:-560} SPEED_LENGTHS="${SPEED_LENGTHS:-1024 7168 3072}" SPEED_TRL_STEPS=3 \
       bash bench/s1_speed.sh table >> "$OUT/parts.txt" 2>&1
     ;;

@@ -120,18 +120,6 @@ def main(argv=None) -> int:
                 best = row
         if best is not None and len(configs) > 1:
             emit({**best, "variant": "gemv best of grid"})
-        if dk.pdl_available("cuda"):  # the default configuration chained under programmatic dependent launch
-
-            def gemv_pdl(i, ws=ws, bs=bs, x=x, N=N, silu=silu):
-                return dk.gemv_launch(x, ws[i], bs[i], N, silu, pdl=True)
-
-            try:
-                err = float((gemv_pdl(0).float() - want).abs().max())
-                us = time_calls(gemv_pdl, L)
-                emit({**base, "variant": "gemv default, pdl", "config": list(dk.gemv_config(N, K)), "us": us,
-                      "GBps": weight_bytes / us / 1e3, "max_abs_diff_vs_cublas": err})
-            except Exception as e:
-                emit({**base, "variant": "gemv default, pdl", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     print(f"done in {time.perf_counter() - t_start:.0f} s")
     return 0
 

@@ -154,8 +154,7 @@ def static(args) -> None:
     seeds = opd.step_seeds(0, 0, len(rows))
     T = args.max_new_tokens or (8 if args.tiny else 2048)
     bw = copy_bandwidth(device)
-    # the projections through cuBLAS / the GEMV kernels / those and the layers' kernels under PDL
-    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {}), "pdl": (new, dict(pdl=True))}
+    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {})}  # the projections through cuBLAS / the GEMV kernels
     impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
     if args.static_main and Path(args.static_main).is_file():
         impls = {"main": (_load_static(args.static_main), {}), **impls}
@@ -698,7 +697,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--impls", default="cublas,new,pdl", help="static: which of cublas,new,pdl")
+    ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")
     ap.add_argument("--async-scheduling", type=int, default=None, help="vllm-raw: 0 / 1 (default: vLLM's choice)")

@@ -168,9 +168,6 @@ class RolloutConfig:
     # CUDA, static decoder with Triton: its layers' projections at <= 16 rows through the kit's GEMV kernels
     # (engines.decode_kernels.gemv_launch: weight-streaming, deterministic split-K); false: cuBLAS
     decode_gemv: bool = True
-    # CUDA (Hopper on), static decoder with Triton: its layers' kernels under programmatic dependent launch (each
-    # launched while the previous one runs, waiting for it before touching data; GEMV weights prefetched into L2)
-    decode_pdl: bool = False
     batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
     max_prompt_tokens: int = 2048  # vllm only: its max_model_len is this + max_new_tokens

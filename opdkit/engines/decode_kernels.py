@@ -142,23 +142,6 @@ def _kernels() -> dict:
     return _K
 
 
-def pdl_available(device) -> bool:
-    """Programmatic dependent launch can run: a CUDA device of compute capability 9 or more (Hopper on) and a
-    Triton that launches with it (``launch_pdl``)."""
-    device = torch.device(device)
-    if device.type != "cuda" or not available() or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    from triton.backends.nvidia.compiler import CUDAOptions
-
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-def _pdl(pdl: bool) -> dict:
-    """A launch's keywords under programmatic dependent launch (``pdl``): the kernel waits for the previous one
-    (``PDL``) and is launched so the previous one lets it start early (``launch_pdl``)."""
-    return dict(PDL=True, launch_pdl=True) if pdl else {}
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -182,20 +165,20 @@ class AttentionPlan:
 
 
 def rope_cache(qkv_B_X, cos_P_D, sin_P_D, pos_B, slot_1, k_cache_B_K_L_D, v_cache_B_K_L_D, H: int, K: int,
-               slot_offset: int = 0, pdl: bool = False):
+               slot_offset: int = 0):
     """``rope_cache_ref`` as one kernel, at slot ``slot_1 + slot_offset`` read on the device (``slot_1``: a
-    1-element int64 tensor). ``pdl`` (here and below): launched under programmatic dependent launch."""
+    1-element int64 tensor)."""
     k = _kernels()
     B, D = qkv_B_X.shape[0], cos_P_D.shape[1]
     q_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
     sb, sk, sl, _ = k_cache_B_K_L_D.stride()
     k["rope_cache"][(B, H + 2 * K)](qkv_B_X, cos_P_D, sin_P_D, pos_B, slot_1, slot_offset, q_B_H_D, k_cache_B_K_L_D,
-                                    v_cache_B_K_L_D, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, D=D, **_pdl(pdl))
+                                    v_cache_B_K_L_D, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, D=D)
     return q_B_H_D
 
 
 def attention(q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, scale: float, plan: AttentionPlan,
-              end_offset: int = 0, pdl: bool = False) -> torch.Tensor:
+              end_offset: int = 0) -> torch.Tensor:
     """``attention_ref`` with ``end = end_1 + end_offset`` read on the device (a 1-element tensor)."""
     k = _kernels()
     B, H, D = q_B_H_D.shape
@@ -205,28 +188,28 @@ def attention(q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, scale: 
     k["attn_partial"][(B, K, plan.nsplit)](
         q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc, plan.m, plan.l, scale,
         sb, sk, sl, K=K, G=G, GP=max(16, _next_pow2(G)), D=D, CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N,
-        NSPLIT=plan.nsplit, IEEE=q_B_H_D.dtype == torch.float32, **_pdl(pdl))
+        NSPLIT=plan.nsplit, IEEE=q_B_H_D.dtype == torch.float32)
     out_B_H_D = torch.empty_like(q_B_H_D)
     k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
-                               D=D, **_pdl(pdl))
+                               D=D)
     return out_B_H_D
 
 
-def rms_norm(x_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+def rms_norm(x_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float) -> torch.Tensor:
     k = _kernels()
     B, N = x_B_H.shape
     out_B_H = torch.empty((B, N), dtype=x_B_H.dtype, device=x_B_H.device)
-    k["rms_norm"][(B,)](x_B_H, weight_H, out_B_H, N, eps, x_B_H.stride(0), BLOCK=_next_pow2(N), **_pdl(pdl))
+    k["rms_norm"][(B,)](x_B_H, weight_H, out_B_H, N, eps, x_B_H.stride(0), BLOCK=_next_pow2(N))
     return out_B_H
 
 
-def add_rms_norm(h_B_H: torch.Tensor, r_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float, pdl: bool = False):
+def add_rms_norm(h_B_H: torch.Tensor, r_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float):
     """``add_rms_norm_ref`` as one kernel (``h_B_H`` updated in place)."""
     k = _kernels()
     B, N = h_B_H.shape
     out_B_H = torch.empty((B, N), dtype=h_B_H.dtype, device=h_B_H.device)
     k["add_rms_norm"][(B,)](h_B_H, r_B_H, weight_H, out_B_H, N, eps, h_B_H.stride(0), r_B_H.stride(0),
-                            BLOCK=_next_pow2(N), **_pdl(pdl))
+                            BLOCK=_next_pow2(N))
     return h_B_H, out_B_H
 
 
@@ -283,14 +266,10 @@ def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, split, 4, 4
 
 
-def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, pdl: bool = False, sms: int = 132):
+def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None):
     """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
     rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
-    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``). ``pdl``: under
-    programmatic dependent launch; where the programs fit in one wave (at most ``sms``), each first prefetches
-    its weights into L2 before it waits for the previous kernel (the sums are the same). With more programs
-    than that the later waves' prefetches only doubled the traffic: the gate/up projection ran 39.9 us instead
-    of 21.9 on an H100 (``bench/gemv_bench.py``)."""
+    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``)."""
     k = _kernels()
     B, KD = x_B_K.shape
     if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
@@ -307,20 +286,18 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, pdl: bool = 
     ieee = x_B_K.dtype == torch.float32
     k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
                     K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
-                    SILU=silu, IEEE=ieee, num_warps=warps, num_stages=stages,
-                    **(dict(_pdl(True), PREFETCH=grid[0] * grid[1] <= sms, LINE=128 // w_X_K.element_size()) if pdl
-                       else {}))
+                    SILU=silu, IEEE=ieee, num_warps=warps, num_stages=stages)
     if split > 1:
         k["gemv_reduce"][(-(-N // 64),)](part, bias, out_B_N, B, N, BP=BP, BLOCK_N=64, SPLIT=split,
-                                         HAS_BIAS=b_X is not None, SILU=silu, num_warps=4, **_pdl(pdl))
+                                         HAS_BIAS=b_X is not None, SILU=silu, num_warps=4)
     return out_B_N
 
 
-def linear(x_B_K, w_N_K, b_N, config=None, pdl: bool = False) -> torch.Tensor:
+def linear(x_B_K, w_N_K, b_N, config=None) -> torch.Tensor:
     """``linear_ref`` as ``gemv_launch``'s kernel(s)."""
-    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, pdl)
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config)
 
 
-def linear_silu(x_B_K, w_2I_K, b_2I, config=None, pdl: bool = False) -> torch.Tensor:
+def linear_silu(x_B_K, w_2I_K, b_2I, config=None) -> torch.Tensor:
     """``linear_silu_ref`` as ``gemv_launch``'s kernel(s): the gate/up projection and silu * up in one pass."""
-    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config, pdl)
+    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config)

@@ -6,29 +6,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """Under programmatic dependent launch (``PDL``: the kernel launched with ``launch_pdl``, Hopper on): wait until
-    the previous kernel has finished and its writes are visible, then let the next kernel launch (its programs
-    run what precedes their own wait, e.g. a weight prefetch, while this kernel runs). Every kernel of the chain
-    waits before it reads or writes anything another kernel touches, so the order of effects is the stream's."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask for the lines at ``ptrs`` in L2 (no registers filled, no fault: each pointer is in bounds)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, slot_offset, q_out_ptr, k_ptr, v_ptr,
                       stride_qkv, stride_cb, stride_ck, stride_cl,
-                      H: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    _pdl_enter(PDL)
+                      H: tl.constexpr, K: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
     j = tl.program_id(1)  # 0..H-1: query heads; H..H+K-1: key heads; H+K..H+2K-1: value heads
     d = tl.arange(0, D)
@@ -56,9 +36,7 @@ def attn_partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc
                         stride_cb, stride_ck, stride_cl,
                         K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                        IEEE: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    _pdl_enter(PDL)
+                        IEEE: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -104,9 +82,7 @@ def attn_partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc
 
 @triton.jit
 def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
-                       D: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    _pdl_enter(PDL)
+                       D: tl.constexpr):
     bh = tl.program_id(0)  # b * H + h
     s = tl.arange(0, NSP)
     d = tl.arange(0, D)
@@ -159,9 +135,7 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, n_vocab,
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    _pdl_enter(PDL)
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     m = i < N
@@ -173,9 +147,7 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, BLOCK: tl.constexpr
 
 
 @triton.jit
-def add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, N, eps, stride_h, stride_r, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    _pdl_enter(PDL)
+def add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, N, eps, stride_h, stride_r, BLOCK: tl.constexpr):
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     m = i < N
@@ -211,30 +183,19 @@ def _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS: tl.constexpr, SI
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stride_w,
                 K_PER: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
-                PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr):
     """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
     slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
-    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. PREFETCH (under PDL):
-    each program first asks for its weight slice in L2 (``LINE`` elements a 128-byte line; the weights are no
-    kernel's output), so the stream starts while the previous kernel still runs."""
+    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.arange(0, BP)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = r < B
     nmask = n < N
-    k_lo = s * K_PER
-    if PREFETCH:
-        rows = tl.minimum(n, N - 1)
-        for i in range(0, K_PER // BLOCK_K):
-            k = tl.minimum(k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE, KD - 1)
-            _prefetch_l2(w_ptr + rows[:, None] * stride_w + k[None, :])
-            if SILU:
-                _prefetch_l2(w_ptr + (rows[:, None] + N) * stride_w + k[None, :])
-    _pdl_enter(PDL)
     acc = tl.zeros([BP, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BP, BLOCK_N], tl.float32)
+    k_lo = s * K_PER
     for i in range(0, K_PER // BLOCK_K):  # K_PER: the inputs of one split, whole blocks
         k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < KD
@@ -263,10 +224,8 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stri
 
 @triton.jit
 def gemv_reduce_kernel(part_ptr, b_ptr, out_ptr, B, N, BP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """The sum of ``gemv_kernel``'s SPLIT partials, in split order (deterministic), and its epilogue."""
-    _pdl_enter(PDL)
     pid = tl.program_id(0)
     r = tl.arange(0, BP)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -24,11 +24,7 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   (``gemv`` / ``rollout.decode_gemv``; else cuBLAS and a separate silu * up; the norms stay their own
   kernels: folded into the projections, each program re-reading the rows before streaming its weights,
   the step measured 9% slower on an H200); sampling at top-p 1 is
-  one hashing Gumbel-argmax kernel plus the log-softmax of the sampled token;
-- with ``pdl`` (``rollout.decode_pdl``) on a Hopper or later GPU the layers' kernels are launched under
-  programmatic dependent launch: each waits for the previous one before it touches its inputs or outputs
-  (so the effects keep the stream's order and the sums are unchanged), but is launched while the previous
-  one runs, and a GEMV program first prefetches its weight slice into L2.
+  one hashing Gumbel-argmax kernel plus the log-softmax of the sampled token.
 
 Other architectures (e.g. Gemma's norms) decode through the modules' own forward with an HF
 ``StaticCache``, one CUDA graph per bucket of cache length (``_ModuleDecoder``).
@@ -199,7 +195,6 @@ class _Session:
         self.out_logp_B_T = torch.zeros((B, T + S), dtype=torch.float32, device=dev)
         self.kernels = dec.kernels
         self.gemv = dec.kernels and dec.gemv and B <= dk.GEMV_MAX_ROWS
-        self.pdl = dec.kernels and dec.pdl and dk.pdl_available(dev)  # the layers' kernels chained by PDL
         if dec.kernels:
             self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev)
             fast_sampling = temperature > 0 and top_p >= 1.0
@@ -216,7 +211,7 @@ class StaticDecoder:
 
     def __init__(self, model, *, dtype: torch.dtype = torch.bfloat16, bucket: int = 512, use_graphs: bool | None = None,
                  fused: bool = True, n_vocab: int | None = None, kernels: bool | None = None, steps_per_graph: int = 16,
-                 prompt_slots: int = 256, gemv: bool = True, pdl: bool = False):
+                 prompt_slots: int = 256, gemv: bool = True):
         self.gen = inference_copy(model, dtype)
         self.dtype = dtype
         self.n_vocab = n_vocab  # sample ids < n_vocab only (None: every row of the head)
@@ -229,7 +224,6 @@ class StaticDecoder:
         self.kernels = (self.device.type == "cuda" and dk.available()) if kernels is None else kernels
         self.silu = getattr(self.gen.config, "hidden_act", None) == "silu"
         self.gemv = gemv  # with the kernels, at <= dk.GEMV_MAX_ROWS rows: the projections as the kit's GEMV kernels
-        self.pdl = pdl  # with the kernels on Hopper on: each layer kernel launched under programmatic dependent launch
         self.steps_per_graph, self.prompt_slots = steps_per_graph, prompt_slots
         self.session: _Session | None = None
         self.modules = _ModuleDecoder(self) if self.layers is None else None
@@ -242,15 +236,13 @@ class StaticDecoder:
 
     def _norm(self, s: _Session, x_B_H, norm):
         """HF's RMSNorm of ``x`` (one kernel on CUDA)."""
-        if s.kernels:
-            return dk.rms_norm(x_B_H, norm.weight, norm.variance_epsilon, pdl=s.pdl)
-        return dk.rms_norm_ref(x_B_H, norm.weight, norm.variance_epsilon)
+        fn = dk.rms_norm if s.kernels else dk.rms_norm_ref
+        return fn(x_B_H, norm.weight, norm.variance_epsilon)
 
     def _add_norm(self, s: _Session, h_B_H, r_B_H, norm):
         """The residual add ``h += r`` (in place) and HF's RMSNorm of the sum: (h, normed)."""
-        if s.kernels:
-            return dk.add_rms_norm(h_B_H, r_B_H, norm.weight, norm.variance_epsilon, pdl=s.pdl)
-        return dk.add_rms_norm_ref(h_B_H, r_B_H, norm.weight, norm.variance_epsilon)
+        fn = dk.add_rms_norm if s.kernels else dk.add_rms_norm_ref
+        return fn(h_B_H, r_B_H, norm.weight, norm.variance_epsilon)
 
     def _attend(self, s: _Session, i: int, f: dict, qkv_B_X):
         """Layer ``i``'s attention for one token per row from its q/k/v projection: the rotary embedding, the
@@ -263,9 +255,8 @@ class StaticDecoder:
         keys, values = s.keys[i], s.values[i]
         if s.kernels:  # token t-1 goes to slot Sp-1+t; slots start_b .. Sp+t-1 are visible
             q_B_H_D = dk.rope_cache(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.t_1, keys, values, H, K,
-                                    slot_offset=s.Sp - 1, pdl=s.pdl)
-            return dk.attention(q_B_H_D, keys, values, s.start_B, s.t_1, f["scale"], s.attn_plan, end_offset=s.Sp,
-                                pdl=s.pdl)
+                                    slot_offset=s.Sp - 1)
+            return dk.attention(q_B_H_D, keys, values, s.start_B, s.t_1, f["scale"], s.attn_plan, end_offset=s.Sp)
         t = int(s.t_1)
         q_B_H_D = dk.rope_cache_ref(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.Sp - 1 + t, keys, values, H, K)
         return dk.attention_ref(q_B_H_D, keys, values, s.start_B, s.Sp + t, f["scale"])
@@ -278,7 +269,7 @@ class StaticDecoder:
     @staticmethod
     def _linear(s: _Session, x_B_K, w_N_K, b_N):
         """``x @ w^T + b``: the GEMV kernel(s) at the session's small batch, else cuBLAS."""
-        return dk.linear(x_B_K, w_N_K, b_N, pdl=s.pdl) if s.gemv else torch.nn.functional.linear(x_B_K, w_N_K, b_N)
+        return dk.linear(x_B_K, w_N_K, b_N) if s.gemv else torch.nn.functional.linear(x_B_K, w_N_K, b_N)
 
     def _layer(self, s: _Session, i: int, f: dict, h_B_H, x_B_H, next_norm):
         """Layer ``i`` for one token per row: ``h`` the residual stream, ``x`` its input norm; returns the new
@@ -289,7 +280,7 @@ class StaticDecoder:
         h_B_H, x_B_H = self._add_norm(s, h_B_H, self._linear(s, o_B_H_D.reshape(B, -1), o_proj.weight, o_proj.bias),
                                       f["ln2"])
         if s.gemv and self.silu:  # the gate/up projection and silu * up in one pass
-            act_B_I = dk.linear_silu(x_B_H, f["w_gu"], f["b_gu"], pdl=s.pdl)
+            act_B_I = dk.linear_silu(x_B_H, f["w_gu"], f["b_gu"])
         else:
             gu_B_X = self._linear(s, x_B_H, f["w_gu"], f["b_gu"])
             act_B_I = dk.silu_mul(gu_B_X) if s.kernels and self.silu else self._mlp_act(f, gu_B_X)
