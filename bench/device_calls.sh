@@ -86,7 +86,7 @@ case $PHASE in
     lim 380 bash bench/formal_timeline.sh >> "$OUT/parts.txt" 2>&1
     ;;
   c)
-    SPEED_S1_OPTS=${SPEED_S1_OPTS:-} SPEED_BUDGET_S=${SPEED_BUDGET_S:-560} SPEED_LENGTHS="${SPEED_LENGTHS:-1024 7168 3072}" SPEED_TRL_STEPS=3 \
+    SPEED_BUDGET_S=${SPEED_BUDGET_S:-560} SPEED_LENGTHS="${SPEED_LENGTHS:-1024 7168 3072}" SPEED_TRL_STEPS=3 \
       bash bench/s1_speed.sh table >> "$OUT/parts.txt" 2>&1
     ;;
   d|vt)

@@ -138,6 +138,9 @@ def static(args) -> None:
     """The static-cache decoder (``opdkit.engines.static``) at batch 8: kernels per eager decode step,
     replayed decode steps/s, and where a replayed step's device time goes; the same for main's
     version of the module (``--static-main``, the 'before') when given."""
+    asked = args.impls.split(",")
+    if set(asked) - {"cublas", "new"}:
+        raise SystemExit(f"--impls {args.impls}: expected names among cublas,new")
     from transformers import AutoModelForCausalLM
 
     from opdkit.engines import static as new
@@ -155,7 +158,7 @@ def static(args) -> None:
     T = args.max_new_tokens or (8 if args.tiny else 2048)
     bw = copy_bandwidth(device)
     impls = {"cublas": (new, dict(gemv=False)), "new": (new, {})}  # the projections through cuBLAS / the GEMV kernels
-    impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
+    impls = {k: impls[k] for k in asked}
     if args.static_main and Path(args.static_main).is_file():
         impls = {"main": (_load_static(args.static_main), {}), **impls}
     for name, (mod, kw_dec) in impls.items():

@@ -16,7 +16,7 @@
 # skipped), appends its result to $OUT/results.jsonl (bench/s1_speed.py) or $OUT/runs.jsonl (bench/real_lane.py)
 # the moment it exists, and a failing part does not stop the next. Out (8 files at most): log.txt,
 # results.jsonl, runs.jsonl, speed.md (the tables), profile_*.txt, logs.tgz (the parts' output and each run's log).
-# SPEED_S1_OPTS: more options for the table's S1 runs (e.g. "-S rollout.decode_pdl=true"; said in log.txt).
+# SPEED_S1_OPTS: more options for the table's S1 runs (e.g. "-S runtime.grad_checkpointing=false"; said in log.txt).
 # SPEED_TINY=1: the CPU dry run (tiny shapes; vLLM parts need vLLM importable, TRL parts TRL).
 set -uo pipefail
 PHASE=${1:?usage: bash bench/s1_speed.sh levers|table|all}
