@@ -14,6 +14,10 @@
 #   g3b: carry .lane             S1 at 1,024 / 7,168 by default and without gradient checkpointing (7,168: micro-batches
 #                                of 2 rows) (~6 min)
 #   g4: carry .lane              g3a's tests and decoder, S1 at 1,024 (4 steps) and 7,168 (3) by default (~6 min)
+#   f1: carry .lane .speed .v0   the decoder's GPU tests; the static decoder and S1 at 1,024 before (.speed/head: the
+#                                kit before the change, SPEED_KIT) and after; the bf16 matrix rate (~7 min)
+#   f2: carry .lane .v1          the update at 7,168 (FLOP rate, profile); S1 at 7,168 without gradient checkpointing
+#                                in micro-batches of 2 rows (~5 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -53,6 +57,26 @@ case $PHASE in
         --steps $([ $T = 1024 ] && echo 4 || echo 3) -S rollout.max_new_tokens=$T >> "$OUT/parts.txt" 2>&1
       rm -rf "$R/runs/s1_$T"
     done
+    ;;
+  f1)
+    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
+      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    for kit in .speed/head ""; do
+      lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+        --impls new >> "$OUT/parts.txt" 2>&1
+    done
+    lim 60 python3 bench/s1_speed.py matmul --out "$OUT" >> "$OUT/parts.txt" 2>&1
+    for kit in .speed/head ""; do
+      lim 90 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_1024${kit:+_before}" --recipe s1 \
+        --steps 4 ${kit:+--kit $kit} -S rollout.max_new_tokens=1024 >> "$OUT/parts.txt" 2>&1
+      rm -rf "$R/runs/s1_1024${kit:+_before}"
+    done
+    ;;
+  f2)
+    lim 150 python3 bench/s1_speed.py update --root "$R" --out "$OUT" --max-new-tokens 7168 >> "$OUT/parts.txt" 2>&1
+    lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name s1_7168_no_ckpt_mb2 --recipe s1 --steps 4 \
+      -S rollout.max_new_tokens=7168 -S runtime.grad_checkpointing=false -S optim.micro_batch=2 >> "$OUT/parts.txt" 2>&1
+    rm -rf "$R/runs/s1_7168_no_ckpt_mb2"
     ;;
   g3b)
     for run in "1024 default" "1024 no_ckpt -S runtime.grad_checkpointing=false" \

@@ -6,7 +6,10 @@ bench/s1_speed.sh runs these parts (each under its own timeout) and the S1 table
     python bench/s1_speed.py vllm --root R --out OUT                       # opdkit's vLLM engine: levers, profile
     python bench/s1_speed.py vllm-raw --root R --out OUT --mp 1 [--async-scheduling 0]   # engine-level knobs
     python bench/s1_speed.py trl --root R --out OUT --max-new-tokens 7168 --steps 2 [--trl-vllm]
+    python bench/s1_speed.py matmul --out OUT                              # the GPU's measured bf16 matrix rate
     python bench/s1_speed.py report --out OUT                              # OUT/speed.md from OUT/results.jsonl
+
+SPEED_KIT=DIR runs another copy of the kit (DIR/opdkit, e.g. main's as the 'before'); its rows say so (``kit``).
 
 Every part appends its result to ``OUT/results.jsonl`` the moment it has it (and a failure as a row
 with ``error``); profiles go to ``OUT/profile_*.txt``. ``--tiny``: a CPU dry run on the lane's tiny pair
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import cProfile
 import gc
+import hashlib
 import importlib.util
 import io
 import json
@@ -35,7 +39,8 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+KIT = Path(os.environ.get("SPEED_KIT") or ROOT).resolve()  # SPEED_KIT: another copy of the kit (e.g. the 'before')
+sys.path.insert(0, str(KIT))
 
 import torch  # noqa: E402
 
@@ -46,6 +51,7 @@ G = 4  # samples per prompt (S1)
 
 def append(out: Path, row: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    row = {**row, "kit": str(KIT)} if KIT != ROOT else row
     with (out / "results.jsonl").open("a") as f:
         f.write(json.dumps(row, default=str) + "\n")
     print(json.dumps({k: v for k, v in row.items() if k not in ("top_kernels", "top_functions")}, default=str),
@@ -118,6 +124,9 @@ def kernel_table(prof, steps: int, device) -> tuple[list[dict], float, int]:
 
 
 def write_profile(out: Path, name: str, title: str, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    if KIT != ROOT:
+        title += f" [kit {KIT}]"
     with (out / f"profile_{name}.txt").open("a") as f:
         f.write(f"\n## {title}\n{'kernel / op':90s} {'per step':>9s} {'us / step':>10s}\n")
         for r in rows:
@@ -178,9 +187,11 @@ def static(args) -> None:
             dec.use_graphs = device == "cuda"  # 2. replayed decode rate (the second of two runs)
             for _ in range(2):
                 t0 = sync(device)
-                dec.generate(ids, mask, seeds, max_new_tokens=T, **kw)
+                out_ids, out_logp = dec.generate(ids, mask, seeds, max_new_tokens=T, **kw)
                 wall = sync(device) - t0
-            res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall)
+            digest = hashlib.sha256(out_ids.cpu().numpy().tobytes() + out_logp.cpu().numpy().tobytes()).hexdigest()
+            res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall,
+                       samples_sha256=digest[:16])  # the same 16 hex digits: the same ids and log-probs, bit for bit
             Tp = min(T, 384)  # 3. where a replayed step's device time goes (capture steps included: 1 per bucket)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
@@ -557,6 +568,35 @@ def update(args) -> None:
             packing.varlen_available = orig
 
 
+# ----------------------------------------------------------------------------- the bf16 matrix rate
+
+
+def matmul(args) -> None:
+    """The GPU's measured bf16 matrix rate (the denominator of the update's share): ``torch.matmul`` at a large
+    square shape and at the update's own GEMM shapes (8,192 tokens through the 1.5B shape's projections and its
+    LM head), forward-layout and the two backward layouts; TFLOP/s over 20 timed repetitions after 3 warm-ups."""
+    device = torch.device("cpu" if args.tiny else "cuda")
+    n = 256 if args.tiny else 8192
+    shapes = [("square", n, n, n), ("mlp_up", n, 1536, 17920), ("mlp_down", n, 8960, 1536), ("qkv", n, 1536, 2048),
+              ("lm_head", n, 1536, 151936 if not args.tiny else 4096)]
+    for name, m, k, nn in shapes:
+        for layout in ("x@w", "dy@w^T", "x^T@dy"):  # forward; the input's gradient; the weight's gradient
+            a_shape, b_shape = {"x@w": ((m, k), (k, nn)), "dy@w^T": ((m, nn), (nn, k)),
+                                "x^T@dy": ((k, m), (m, nn))}[layout]
+            a = torch.randn(a_shape, dtype=torch.bfloat16, device=device)
+            b = torch.randn(b_shape, dtype=torch.bfloat16, device=device)
+            for _ in range(3):
+                a @ b
+            t0 = sync(device)
+            for _ in range(20):
+                a @ b
+            dt = (sync(device) - t0) / 20
+            flop = 2 * a_shape[0] * a_shape[1] * b_shape[1]
+            append(Path(args.out), {"what": "matmul", "shape": name, "layout": layout, "m_k_n": [a_shape[0], a_shape[1],
+                                    b_shape[1]], "seconds": dt, "tflops": flop / dt / 1e12})
+            del a, b
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -695,7 +735,7 @@ def report(args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["static", "update", "vllm", "vllm-raw", "trl", "report"])
+    ap.add_argument("what", choices=["static", "update", "matmul", "vllm", "vllm-raw", "trl", "report"])
     ap.add_argument("--root", default="/tmp/lane")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
@@ -707,7 +747,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
     ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
     args = ap.parse_args(argv)
-    {"static": static, "update": update, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl,
+    {"static": static, "update": update, "matmul": matmul, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl,
      "report": report}[args.what](args)
     return 0
 

@@ -31,19 +31,18 @@ def kernels() -> None:
     ang_P = torch.randn(400, D // 2)
     cos, sin = torch.cat([ang_P.cos()] * 2, -1), torch.cat([ang_P.sin()] * 2, -1)
     pos = torch.tensor([5, 17, 399])
-    kc1, vc1 = torch.randn(B, K, L, D), torch.randn(B, K, L, D)
-    kc2, vc2 = kc1.clone(), vc1.clone()
-    q1 = dk.rope_cache_ref(qkv, cos, sin, pos, 123, kc1, vc1, H, K)
-    q2 = dk.rope_cache(qkv, cos, sin, pos, torch.tensor([120]), kc2, vc2, H, K, slot_offset=3)
-    check("rope_cache", torch.equal(q1, q2) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2))
+    kc, vc = torch.randn(B, K, L, D), torch.randn(B, K, L, D)
     for programs in (4, 24, 512):  # 1, 4 and many splits of the cache
         plan = dk.AttentionPlan(B, H, K, D, L, "cpu", programs=programs)
-        for start, end in (([0, 40, 250], 260), ([0, 0, 0], 1), ([299, 10, 0], 300)):
-            want = dk.attention_ref(q1, kc1, vc1, torch.tensor(start), end, D ** -0.5)
-            got = dk.attention(q1, kc1, vc1, torch.tensor(start), torch.tensor([end - 7]), D ** -0.5, plan,
-                               end_offset=7)
+        for start, end in (([0, 40, 250], 260), ([0, 0, 0], 1), ([299, 10, 0], 300), ([0, 5, 9], 64), ([3, 3, 3], 65)):
+            kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+            want = dk.rope_attention_ref(qkv, cos, sin, pos, kc1, vc1, torch.tensor(start), end, D ** -0.5, H, K)
+            got = dk.rope_attention(qkv, cos, sin, pos, kc2, vc2, torch.tensor(start), torch.tensor([end - 7]),
+                                    D ** -0.5, plan, H, K, end_offset=7)
             err = float((want - got).abs().max())
-            check(f"attention splits={plan.nsplit} start={start} end={end}", err < 1e-5, f"max err {err:.2e}")
+            caches = torch.equal(kc1, kc2) and torch.equal(vc1, vc2) and not torch.equal(kc1, kc)
+            check(f"rope_attention splits={plan.nsplit} start={start} end={end}", caches and err < 1e-5,
+                  f"max err {err:.2e}, caches {'as the reference' if caches else 'DIFFER'}")
     x, w = torch.randn(B, 96) * 3, torch.randn(96)
     err = float((dk.rms_norm_ref(x, w, 1e-6) - dk.rms_norm(x, w, 1e-6)).abs().max())
     check("rms_norm", err < 1e-5, f"max err {err:.2e}")
@@ -67,6 +66,13 @@ def kernels() -> None:
             err2 = float((want - got).abs().max())
             check(f"linear / linear_silu {rows}x{n_in}->{n_out} bias={bias} config={config}",
                   err < 1e-5 and err2 < 1e-5, f"max err {err:.1e} / {err2:.1e}")
+            h, nw = torch.randn(rows, n_out), torch.randn(n_out)
+            h1, h2 = h.clone(), h.clone()
+            want_h, want = dk.linear_add_rms_norm_ref(x, w_N_K, b_N, h1, nw, 1e-6)
+            got_h, got = dk.linear_add_rms_norm(x, w_N_K, b_N, h2, nw, 1e-6, config)
+            err, err_h = float((want - got).abs().max()), float((want_h - got_h).abs().max())
+            check(f"linear_add_rms_norm {rows}x{n_in}->{n_out} bias={bias} config={config}",
+                  got_h is h2 and err_h < 1e-5 and err < 1e-4, f"max err {err_h:.1e} (h) / {err:.1e} (normed)")
     raw = torch.randn(B, V) * 3
     seeds = torch.tensor([1, 2 ** 62 + 5, 7])
     for tau in (1.0, 0.6, 1.1):

@@ -162,8 +162,8 @@ def test_chunked_logprobs_bound_the_memory():
 
 
 def test_decode_kernels_in_bf16_equal_their_references():
-    """On the GPU, in bf16: the rotary + cache kernel and silu * up round as their references (exactly), the
-    split-length attention is within bf16 rounding of the float32 reference, and the Gumbel kernel picks the
+    """On the GPU, in bf16: the rotary + cache write of the attention kernel round as their reference (exactly),
+    the split-length attention is within bf16 rounding of the float32 reference, and the Gumbel kernel picks the
     id policy_scores picks at the real vocabulary size (its float64 scores bit for bit)."""
     from opdkit.engines import decode_kernels as dk
     from opdkit.engines.sampling import sample_seed
@@ -176,15 +176,14 @@ def test_decode_kernels_in_bf16_equal_their_references():
     cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
     pos = torch.randint(0, L, (B,), device="cuda")
     kc, vc = torch.randn(B, K, L, D, **bf), torch.randn(B, K, L, D, **bf)
-    kc2, vc2 = kc.clone(), vc.clone()
-    q_ref = dk.rope_cache_ref(qkv, cos, sin, pos, 777, kc, vc, H, K)
-    q = dk.rope_cache(qkv, cos, sin, pos, torch.tensor([770], device="cuda"), kc2, vc2, H, K, slot_offset=7)
-    assert torch.equal(q, q_ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
     start = torch.randint(0, 300, (B,), device="cuda")
-    for end in (301, 1000, L):
-        plan = dk.AttentionPlan(B, H, K, D, L, "cuda")
-        got = dk.attention(q, kc, vc, start, torch.tensor([end], device="cuda"), D ** -0.5, plan)
-        want = dk.attention_ref(q, kc, vc, start, end, D ** -0.5)
+    plan = dk.AttentionPlan(B, H, K, D, L, "cuda")
+    for end in (301, 778, 1000, L):
+        kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        want = dk.rope_attention_ref(qkv, cos, sin, pos, kc1, vc1, start, end, D ** -0.5, H, K)
+        got = dk.rope_attention(qkv, cos, sin, pos, kc2, vc2, start, torch.tensor([end - 7], device="cuda"),
+                                D ** -0.5, plan, H, K, end_offset=7)
+        assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2) and not torch.equal(kc1, kc)  # the slot, as rounded
         assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
     x, w = torch.randn(B, 1536, **bf) * 3, torch.randn(1536, **bf)
     assert (dk.rms_norm(x, w, 1e-6).float() - dk.rms_norm_ref(x, w, 1e-6).float()).abs().max() <= 2 ** -7 * 12
@@ -227,6 +226,26 @@ def test_gemv_kernels_in_bf16_round_as_their_references_at_the_real_shape():
             assert (err <= rel * want.float().abs() + 1e-3).all(), (rows, n_out, n_in, float(err.max()))
             again = dk.linear_silu(x, w, b) if silu else dk.linear(x, w, b)
             assert torch.equal(got, again)
+
+
+def test_the_split_projections_sum_add_and_norm_in_one_kernel_give_the_bits_of_three():
+    """``linear_add_rms_norm`` (the down / output projection's partials summed in the kernel of the residual add and
+    the norm) against the same projection, ``gemv_reduce`` and ``add_rms_norm`` as three launches: the same bits, for
+    split and unsplit configurations at the 1.5B shape."""
+    from opdkit.engines import decode_kernels as dk
+
+    torch.manual_seed(1)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    for rows in (1, 8, 16):
+        for n_out, n_in, bias in ((1536, 8960, False), (1536, 1536, False), (1536, 8960, True)):
+            x, h = torch.randn(rows, n_in, **bf), torch.randn(rows, n_out, **bf) * 4
+            w, nw = torch.randn(n_out, n_in, **bf) / n_in ** 0.5, torch.randn(n_out, **bf)
+            b = torch.randn(n_out, **bf) if bias else None
+            for config in (None, (64, 256, 4, 4, 4), (64, 256, 8, 4, 4), (16, 256, 1, 4, 4)):
+                h1, h2 = h.clone(), h.clone()
+                want_h, want = dk.add_rms_norm(h1, dk.linear(x, w, b, config), nw, 1e-6)
+                got_h, got = dk.linear_add_rms_norm(x, w, b, h2, nw, 1e-6, config)
+                assert got_h is h2 and torch.equal(got_h, want_h) and torch.equal(got, want), (rows, n_in, config)
 
 
 def test_packed_rows_equal_row_by_row_with_gradients():

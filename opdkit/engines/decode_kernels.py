@@ -4,14 +4,17 @@ The static decoder (``engines.static``) runs one token per row through the layer
 these operations is one kernel instead of several, and every kernel reads its varying values (the
 token index, the attention span) from device tensors, so one CUDA graph serves every position:
 
-- ``rope_cache``: rotary embedding of q and k at each row's position (cos/sin looked up in a table)
-  and the write of k and v into the KV cache at the step's slot (4 kernels -> 1);
-- ``attention``: one query token per row against cache slots ``start_b <= s < end`` (grouped-query:
-  each K/V head serves its G query heads), split over the cache length and merged (flash decoding:
-  2 kernels, reading only the visible slots, instead of a matmul / mask / softmax / cast / matmul
-  over a bucket of slots);
+- ``rope_attention``: from the raw q/k/v projection, the rotary embedding of q and k at each row's
+  position (cos/sin looked up in a table), the write of k and v into the KV cache at the new token's
+  slot (``end - 1``), and one query token per row against cache slots ``start_b <= s < end``
+  (grouped-query: each K/V head serves its G query heads), split over the cache length and merged
+  (flash decoding: 2 kernels, reading only the visible slots; the split holding the new slot writes it
+  before reading it), instead of rotary / cache-write ops and a matmul / mask / softmax / cast / matmul
+  over a bucket of slots;
 - ``rms_norm`` / ``add_rms_norm``: HF's RMSNorm of one row per token, after the residual add (one
   kernel; the projections before it are plain matmuls, with no copy of the residual into their output);
+  ``linear_add_rms_norm``: a projection split over its inputs, its partials summed in the same kernel as
+  the residual add and the norm that follow it (the output and down projections);
 - ``silu_mul``: ``silu(gate) * up`` (2 kernels -> 1);
 - ``gumbel_argmax``: the sampled id of ``engines.sampling.policy_scores`` at top-p 1: the argmax over
   the tokenizer's ids of ``z / τ + Gumbel(seed, t, id)`` in float64, the noise hashed in-kernel
@@ -56,6 +59,14 @@ def rope_cache_ref(qkv_B_X, cos_P_D, sin_P_D, pos_B, slot, k_cache_B_K_L_D, v_ca
     k_cache_B_K_L_D[:, :, s] = rotate(k_B_K_D, cos_B_D, sin_B_D)
     v_cache_B_K_L_D[:, :, s] = v_B_K_D
     return rotate(q_B_H_D, cos_B_D, sin_B_D)
+
+
+def rope_attention_ref(qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end: int,
+                       scale: float, H: int, K: int) -> torch.Tensor:
+    """``rope_cache_ref`` at slot ``end - 1`` (the new token's k and v into the caches, in place), then
+    ``attention_ref`` of its rotated queries over slots ``start_b <= s < end``: (B, H, D)."""
+    q_B_H_D = rope_cache_ref(qkv_B_X, cos_P_D, sin_P_D, pos_B, int(end) - 1, k_cache_B_K_L_D, v_cache_B_K_L_D, H, K)
+    return attention_ref(q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end, scale)
 
 
 def attention_ref(q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end: int, scale: float) -> torch.Tensor:
@@ -136,9 +147,10 @@ def _kernels() -> dict:
 
         assert UNIFORM_BITS == 52 and _GOLDEN + (1 << 64) == 0x9E3779B97F4A7C15  # the constants written there
         assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-        _K = dict(rope_cache=t.rope_cache_kernel, attn_partial=t.attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
+        _K = dict(rope_attn_partial=t.rope_attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
                   silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, rms_norm=t.rms_norm_kernel,
-                  add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel, gemv_reduce=t.gemv_reduce_kernel)
+                  add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel, gemv_reduce=t.gemv_reduce_kernel,
+                  gemv_reduce_add_norm=t.gemv_reduce_add_norm_kernel)
     return _K
 
 
@@ -164,32 +176,19 @@ class AttentionPlan:
         self.l = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)
 
 
-def rope_cache(qkv_B_X, cos_P_D, sin_P_D, pos_B, slot_1, k_cache_B_K_L_D, v_cache_B_K_L_D, H: int, K: int,
-               slot_offset: int = 0):
-    """``rope_cache_ref`` as one kernel, at slot ``slot_1 + slot_offset`` read on the device (``slot_1``: a
-    1-element int64 tensor)."""
+def rope_attention(qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, scale: float,
+                   plan: AttentionPlan, H: int, K: int, end_offset: int = 0) -> torch.Tensor:
+    """``rope_attention_ref`` with ``end = end_1 + end_offset`` read on the device (``end_1``: a 1-element int64
+    tensor): two kernels, the partials (``plan``) and their merge."""
     k = _kernels()
     B, D = qkv_B_X.shape[0], cos_P_D.shape[1]
-    q_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
-    sb, sk, sl, _ = k_cache_B_K_L_D.stride()
-    k["rope_cache"][(B, H + 2 * K)](qkv_B_X, cos_P_D, sin_P_D, pos_B, slot_1, slot_offset, q_B_H_D, k_cache_B_K_L_D,
-                                    v_cache_B_K_L_D, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, D=D)
-    return q_B_H_D
-
-
-def attention(q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, scale: float, plan: AttentionPlan,
-              end_offset: int = 0) -> torch.Tensor:
-    """``attention_ref`` with ``end = end_1 + end_offset`` read on the device (a 1-element tensor)."""
-    k = _kernels()
-    B, H, D = q_B_H_D.shape
-    K = k_cache_B_K_L_D.shape[1]
     G = H // K
     sb, sk, sl, _ = k_cache_B_K_L_D.stride()
-    k["attn_partial"][(B, K, plan.nsplit)](
-        q_B_H_D, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc, plan.m, plan.l, scale,
-        sb, sk, sl, K=K, G=G, GP=max(16, _next_pow2(G)), D=D, CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N,
-        NSPLIT=plan.nsplit, IEEE=q_B_H_D.dtype == torch.float32)
-    out_B_H_D = torch.empty_like(q_B_H_D)
+    k["rope_attn_partial"][(B, K, plan.nsplit)](
+        qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc,
+        plan.m, plan.l, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G, GP=max(16, _next_pow2(G)), D=D,
+        CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, IEEE=qkv_B_X.dtype == torch.float32)
+    out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
     k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
                                D=D)
     return out_B_H_D
@@ -266,10 +265,12 @@ def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, split, 4, 4
 
 
-def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None):
+def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None):
     """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
     rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
-    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``)."""
+    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``). ``add_norm``
+    = (h (B, N), norm weight (N,), eps): ``add_rms_norm`` of h and the projection follows (h updated in place;
+    returns (h, normed)), its sum of the partials in the same kernel when the projection is split."""
     k = _kernels()
     B, KD = x_B_K.shape
     if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
@@ -287,10 +288,17 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None):
     k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
                     K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
                     SILU=silu, IEEE=ieee, num_warps=warps, num_stages=stages)
+    if add_norm is not None and split > 1:  # the partials' sum, the residual add and the norm: one kernel
+        h_B_N, weight_N, eps = add_norm
+        if silu or h_B_N.stride(1) != 1:
+            raise ValueError("gemv add_norm: a plain projection and a unit-stride residual expected")
+        k["gemv_reduce_add_norm"][(B,)](part, bias, h_B_N, weight_N, out_B_N, N, eps, h_B_N.stride(0), BP=BP,
+                                        BLOCK=_next_pow2(N), SPLIT=split, HAS_BIAS=b_X is not None)
+        return h_B_N, out_B_N
     if split > 1:
         k["gemv_reduce"][(-(-N // 64),)](part, bias, out_B_N, B, N, BP=BP, BLOCK_N=64, SPLIT=split,
                                          HAS_BIAS=b_X is not None, SILU=silu, num_warps=4)
-    return out_B_N
+    return out_B_N if add_norm is None else add_rms_norm(add_norm[0], out_B_N, add_norm[1], add_norm[2])
 
 
 def linear(x_B_K, w_N_K, b_N, config=None) -> torch.Tensor:
@@ -301,3 +309,15 @@ def linear(x_B_K, w_N_K, b_N, config=None) -> torch.Tensor:
 def linear_silu(x_B_K, w_2I_K, b_2I, config=None) -> torch.Tensor:
     """``linear_silu_ref`` as ``gemv_launch``'s kernel(s): the gate/up projection and silu * up in one pass."""
     return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config)
+
+
+def linear_add_rms_norm(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float, config=None):
+    """``add_rms_norm_ref(h, linear_ref(x, w, b), weight, eps)`` as ``gemv_launch``'s kernels: (h, normed), h
+    updated in place. Split over its inputs: 2 kernels (the projection's partials; their sum, the add and the
+    norm), else 2 (the projection; ``add_rms_norm``)."""
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, add_norm=(h_B_N, weight_N, eps))
+
+
+def linear_add_rms_norm_ref(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float):
+    """``add_rms_norm_ref`` of h and ``linear_ref(x, w, b)``: (h, normed), h updated in place."""
+    return add_rms_norm_ref(h_B_N, linear_ref(x_B_K, w_N_K, b_N), weight_N, eps)

@@ -6,37 +6,21 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, slot_offset, q_out_ptr, k_ptr, v_ptr,
-                      stride_qkv, stride_cb, stride_ck, stride_cl,
-                      H: tl.constexpr, K: tl.constexpr, D: tl.constexpr):
-    b = tl.program_id(0)
-    j = tl.program_id(1)  # 0..H-1: query heads; H..H+K-1: key heads; H+K..H+2K-1: value heads
-    d = tl.arange(0, D)
-    half: tl.constexpr = D // 2
-    row = qkv_ptr + b * stride_qkv + j * D
-    x = tl.load(row + d).to(tl.float32)
-    slot = tl.load(slot_ptr) + slot_offset
-    if j < H + K:
-        pos = tl.load(pos_ptr + b)
-        cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-        partner = tl.load(row + (d + half) % D).to(tl.float32)
-        rot = tl.where(d < half, -partner, partner)
-        y = (x * cos + rot * sin).to(q_out_ptr.dtype.element_ty)
-        if j < H:
-            tl.store(q_out_ptr + (b * H + j) * D + d, y)
-        else:
-            tl.store(k_ptr + b * stride_cb + (j - H) * stride_ck + slot * stride_cl + d, y)
-    else:
-        tl.store(v_ptr + b * stride_cb + (j - H - K) * stride_ck + slot * stride_cl + d,
-                 x.to(v_ptr.dtype.element_ty))
+def _rotate(x, partner, cos, sin, d, half: tl.constexpr):
+    """HF's ``x * cos + rotate_half(x) * sin`` in float32 (``partner``: x at d + D/2 mod D), as ``rotate`` does."""
+    rot = tl.where(d < half, -partner, partner)
+    return x * cos + rot * sin
+
 
 @triton.jit
-def attn_partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc_ptr, m_ptr, l_ptr, scale,
-                        stride_cb, stride_ck, stride_cl,
-                        K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                        IEEE: tl.constexpr):
+def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc_ptr,
+                             m_ptr, l_ptr, scale, stride_qkv, stride_cb, stride_ck, stride_cl,
+                             H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+                             IEEE: tl.constexpr):
+    """Program (b, kh, s): the G query heads of K/V head kh of row b rotated at the row's position (from the raw
+    q/k/v projection), the split holding the new token's slot (end - 1) writing its rotated k and its v into the
+    caches, then flash-decoding partials over the visible slots of split s."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -47,7 +31,24 @@ def attn_partial_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     gmask = g < G
-    q = tl.load(q_ptr + ((b * K + kh) * G + g[:, None]) * D + d[None, :], mask=gmask[:, None], other=0.0)
+    half: tl.constexpr = D // 2
+    dp = (d + half) % D
+    pos = tl.load(pos_ptr + b)
+    cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
+    row = qkv_ptr + b * stride_qkv
+    qh = kh * G + g
+    xq = tl.load(row + qh[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    pq = tl.load(row + qh[:, None] * D + dp[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    q = _rotate(xq, pq, cos[None, :], sin[None, :], d[None, :], half).to(k_ptr.dtype.element_ty)
+    slot = end - 1
+    if (slot >= s * CHUNK) & (slot < s * CHUNK + CHUNK):  # this split reads the new slot: it writes it first
+        krow = row + (H + kh) * D
+        k_new = _rotate(tl.load(krow + d).to(tl.float32), tl.load(krow + dp).to(tl.float32), cos, sin, d, half)
+        at = b * stride_cb + kh * stride_ck + slot * stride_cl + d
+        tl.store(k_ptr + at, k_new.to(k_ptr.dtype.element_ty))
+        tl.store(v_ptr + at, tl.load(row + (H + K + kh) * D + d).to(v_ptr.dtype.element_ty))
+    tl.debug_barrier()  # the block's stores visible to all its threads before the loop reads the slot
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -239,3 +240,27 @@ def gemv_reduce_kernel(part_ptr, b_ptr, out_ptr, B, N, BP: tl.constexpr, BLOCK_N
         if SILU:
             acc_u += tl.load(at + N, mask=nmask[None, :], other=0.0)
     _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS, SILU)
+
+
+@triton.jit
+def gemv_reduce_add_norm_kernel(part_ptr, b_ptr, h_ptr, w_ptr, out_ptr, N, eps, stride_h, BP: tl.constexpr,
+                                BLOCK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row r: ``gemv_reduce_kernel``'s sum of the SPLIT partials (split order) + bias, rounded (the projection's
+    output), then ``add_rms_norm_kernel``: h += it (in place), out = RMSNorm(h) * w, each rounded as there."""
+    r = tl.program_id(0)
+    n = tl.arange(0, BLOCK)
+    m = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + (s * BP + r) * N + n, mask=m, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=m, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + r * stride_h + n, mask=m, other=0.0)
+    y = acc.to(h.dtype)
+    sm = (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype)  # the residual add, rounded as the module's
+    tl.store(h_ptr + r * stride_h + n, sm, mask=m)
+    x = sm.to(tl.float32)
+    var = tl.sum(x * x, 0) / N
+    yn = (x * (1.0 / tl.sqrt_rn(var + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + n, mask=m, other=0.0)
+    tl.store(out_ptr + r * N + n, (yn.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)

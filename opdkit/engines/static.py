@@ -15,12 +15,12 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   ``start_b <= slot < Sp + t``) from device tensors, so its shapes never change: S steps
   (``steps_per_graph``) are captured as one CUDA graph, once per session, and replayed; the host
   checks for EOS every ``check_every`` tokens and asks ``should_stop`` between replays;
-- per layer a step is about ten kernels on CUDA (``engines.decode_kernels``): the q/k/v projection
+- per layer a step is eight kernels on CUDA (``engines.decode_kernels``): the q/k/v projection
   (fused weights: the copy's q/k/v and gate/up weights are views into one buffer each), rotary
-  embedding + KV-cache write, split-length attention over the visible slots and its merge, the
+  embedding + KV-cache write + split-length attention over the visible slots, its merge, the
   output projection, the residual add + RMSNorm (HF's rounding), the gate/up projection with
-  silu * up, the down projection (split over its inputs: + 1 kernel summing the parts in order), the
-  residual add + the next RMSNorm; at up to 16 rows the projections are the kit's GEMV kernels
+  silu * up, the down projection (split over its inputs), its parts summed in order + the residual
+  add + the next RMSNorm; at up to 16 rows the projections are the kit's GEMV kernels
   (``gemv`` / ``rollout.decode_gemv``; else cuBLAS and a separate silu * up; the norms stay their own
   kernels: folded into the projections, each program re-reading the rows before streaming its weights,
   the step measured 9% slower on an H200); sampling at top-p 1 is
@@ -254,12 +254,10 @@ class StaticDecoder:
             qkv_B_X = torch.cat([q_B_X, k_B_X, qkv_B_X[:, (H + K) * D:]], dim=1)
         keys, values = s.keys[i], s.values[i]
         if s.kernels:  # token t-1 goes to slot Sp-1+t; slots start_b .. Sp+t-1 are visible
-            q_B_H_D = dk.rope_cache(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.t_1, keys, values, H, K,
-                                    slot_offset=s.Sp - 1)
-            return dk.attention(q_B_H_D, keys, values, s.start_B, s.t_1, f["scale"], s.attn_plan, end_offset=s.Sp)
-        t = int(s.t_1)
-        q_B_H_D = dk.rope_cache_ref(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, s.Sp - 1 + t, keys, values, H, K)
-        return dk.attention_ref(q_B_H_D, keys, values, s.start_B, s.Sp + t, f["scale"])
+            return dk.rope_attention(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, keys, values, s.start_B, s.t_1,
+                                     f["scale"], s.attn_plan, H, K, end_offset=s.Sp)
+        return dk.rope_attention_ref(qkv_B_X, s.cos_L_D, s.sin_L_D, s.pos_B, keys, values, s.start_B,
+                                     s.Sp + int(s.t_1), f["scale"], H, K)
 
     def _mlp_act(self, f: dict, gu_B_X):
         """``act_fn(gate) * up`` of the fused gate/up projection (B, 2I) -> (B, I)."""
@@ -271,20 +269,25 @@ class StaticDecoder:
         """``x @ w^T + b``: the GEMV kernel(s) at the session's small batch, else cuBLAS."""
         return dk.linear(x_B_K, w_N_K, b_N) if s.gemv else torch.nn.functional.linear(x_B_K, w_N_K, b_N)
 
+    def _linear_add_norm(self, s: _Session, x_B_K, linear, h_B_H, norm):
+        """The residual add ``h += linear(x)`` (in place) and HF's RMSNorm of the sum: (h, normed); at the
+        session's small batch the projection's partial sums, the add and the norm in one kernel."""
+        if s.gemv:
+            return dk.linear_add_rms_norm(x_B_K, linear.weight, linear.bias, h_B_H, norm.weight, norm.variance_epsilon)
+        return self._add_norm(s, h_B_H, self._linear(s, x_B_K, linear.weight, linear.bias), norm)
+
     def _layer(self, s: _Session, i: int, f: dict, h_B_H, x_B_H, next_norm):
         """Layer ``i`` for one token per row: ``h`` the residual stream, ``x`` its input norm; returns the new
         stream and its norm by ``next_norm`` (the next layer's input norm, or the final one)."""
         B = h_B_H.shape[0]
         o_B_H_D = self._attend(s, i, f, self._linear(s, x_B_H, f["w_qkv"], f["b_qkv"]))
-        o_proj, down = f["attn"].o_proj, f["mlp"].down_proj
-        h_B_H, x_B_H = self._add_norm(s, h_B_H, self._linear(s, o_B_H_D.reshape(B, -1), o_proj.weight, o_proj.bias),
-                                      f["ln2"])
+        h_B_H, x_B_H = self._linear_add_norm(s, o_B_H_D.reshape(B, -1), f["attn"].o_proj, h_B_H, f["ln2"])
         if s.gemv and self.silu:  # the gate/up projection and silu * up in one pass
             act_B_I = dk.linear_silu(x_B_H, f["w_gu"], f["b_gu"])
         else:
             gu_B_X = self._linear(s, x_B_H, f["w_gu"], f["b_gu"])
             act_B_I = dk.silu_mul(gu_B_X) if s.kernels and self.silu else self._mlp_act(f, gu_B_X)
-        return self._add_norm(s, h_B_H, self._linear(s, act_B_I, down.weight, down.bias), next_norm)
+        return self._linear_add_norm(s, act_B_I, f["mlp"].down_proj, h_B_H, next_norm)
 
     def _sample(self, s: _Session, raw_B_V, t):
         """The sampled ids (B,) and their log π (B,) from raw logits (B, V) fp32 at token index ``t``."""
