@@ -59,7 +59,7 @@ def build(args, device: torch.device):
     _sync(device)
     cfg = load_config(None, ["publish.backoff_s=0", "publish.retries=0"])
     run = SimpleNamespace(cfg=cfg, student=model, optimizer=optimizer, ema=None, device=device,
-                          extras={"lr_clock_start_s": 0.0, "run_id": "bench"},
+                          lr_clock_start_s=0.0, run_id="bench",
                           inputs=SimpleNamespace(data_fingerprint="bench"))
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"what": "model", "shape": args.shape, "params_b": round(n / 1e9, 3), "device": str(device),

@@ -54,7 +54,7 @@ def _run(layers: int):
     optimizer.zero_grad(set_to_none=True)
     inputs = Inputs(**{f.name: None for f in dataclasses.fields(Inputs)} | {"data_fingerprint": "bench"})
     run = Run(cfg, inputs, torch.device("cpu"), torch.float32, student, None, student, optimizer)
-    run.extras["lr_clock_start_s"] = 0.0
+    run.lr_clock_start_s = 0.0
     return run
 
 

@@ -362,7 +362,7 @@ def reduce_metrics(m: dict, world: World) -> dict:
 # --- gathering the weights (rank 0 receives; every rank must call) -----------------------------
 
 
-def export_state_dict(model, **kw) -> dict[str, torch.Tensor]:
+def gather_weights(model, **kw) -> dict[str, torch.Tensor]:
     """``engines.weights.export_state_dict`` (``kw``: its ``dtype``, ``copy``): plain weights named as the
     base model's, LoRA merged in, on rank 0's CPU ({} on other ranks; every rank takes part in
     gathering a sharded model)."""

@@ -12,7 +12,7 @@ import contextlib
 import copy
 import hashlib
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +21,6 @@ from opdkit import loss_table, offline, pairs, rewards, teachers
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt
 from opdkit.engines import vllm_teacher
-from opdkit.engines.weights import export_state_dict as _merged_state_dict
 from opdkit.models import compute_dtype, load_model, pick_device, setup_torch
 from opdkit.pairs import Inputs, use_shared_vocab
 from opdkit.sharding import reshard
@@ -119,7 +118,10 @@ class Run:
     optimizer: torch.optim.Optimizer
     teacher_ctx: object = contextlib.nullcontext  # context manager the teacher runs under
     ema: torch.nn.Module | None = None
-    extras: dict = field(default_factory=dict)
+    code_revision: str = ""  # the kit's git revision, in each checkpoint's meta
+    run_id: str | None = None  # this run's id (rundir.Start), kept across resumes
+    lr_clock_start_s: float | None = None  # wall seconds at which the wall-clock schedule started (None: not yet)
+    publish_dtype: torch.dtype | None = None  # the dtype checkpoints are published in (publish.dtype)
     xtok: object = None  # teacher.tokenizer=own: the tokenizer pair (opdkit.xtok.Pair), else None
 
     def autocast(self):
@@ -217,11 +219,6 @@ def update_ema(ema: torch.nn.Module, student: torch.nn.Module, decay: float) -> 
         reshard(m)
     for pe, ps in zip(ema.parameters(), student.parameters()):
         pe.mul_(decay).add_(ps.detach(), alpha=1 - decay)
-
-
-def export_state_dict(student) -> dict[str, torch.Tensor]:
-    """A CPU copy of the plain (LoRA-merged) model weights, named as the base model's."""
-    return _merged_state_dict(student)
 
 
 def load_trainable_state(student, state: dict) -> None:

@@ -113,17 +113,17 @@ def _publish(publisher, run: Run, step: int, elapsed: float) -> None:
     meta = {
         "step": step, "elapsed_s": round(elapsed, 3), "params": to_dict(run.cfg),
         "data_fingerprint": run.inputs.data_fingerprint, "data_path": str(run.inputs.train_path),
-        "code_revision": run.extras["code_revision"], "source_student": str(run.inputs.student_path),
-        "run_id": run.extras.get("run_id"),
+        "code_revision": run.code_revision, "source_student": str(run.inputs.student_path),
+        "run_id": run.run_id,
     }
     base = run.student.get_base_model() if hasattr(run.student, "get_base_model") else run.student
     snapshot = getattr(publisher, "snapshot", None)
-    state_dict = distributed.export_state_dict(run.student, dtype=run.extras["publish_dtype"],
+    state_dict = distributed.gather_weights(run.student, dtype=run.publish_dtype,
                                                copy=snapshot.copy if snapshot is not None else None)
     if snapshot is not None:
         snapshot.done()
     publisher.submit(step=step, state_dict=state_dict, model_config=base.config, tokenizer=run.tokenizer,
-                     generation_config=base.generation_config, meta=meta, dtype=run.extras["publish_dtype"],
+                     generation_config=base.generation_config, meta=meta, dtype=run.publish_dtype,
                      started_at=t0)
 
 
@@ -240,11 +240,11 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
     state = start.state
     state_step = start.step if state is not None else None
     run = build_run(cfg, inputs, log)
-    run.extras["code_revision"] = code_revision()
-    run.extras["run_id"] = start.run_id
+    run.code_revision = code_revision()
+    run.run_id = start.run_id
     # states saved before the key existed: their schedule started at 0 s
-    run.extras["lr_clock_start_s"] = state.get("lr_clock_start_s", 0.0) if state is not None else None
-    run.extras["publish_dtype"] = export_dtype(cfg.publish.dtype, inputs.student_path)
+    run.lr_clock_start_s = state.get("lr_clock_start_s", 0.0) if state is not None else None
+    run.publish_dtype = export_dtype(cfg.publish.dtype, inputs.student_path)
     if state is not None:
         trainer_state.restore(run, state)  # unsharded, on every rank
     pending = state.get("pending_rollout") if state is not None else None
@@ -279,7 +279,7 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
         log(f"write probe: {b.write_probe_mb} MiB at {rate / 1e9:.2f} GB/s (the first saves are reserved at their "
             f"bytes over this rate x {b.save_estimate_factor:g})")
     clock = deadline.SaveClock(deadline.state_bytes(run.student, run.ema),
-                               deadline.export_bytes(run.student, run.extras["publish_dtype"]), rate,
+                               deadline.export_bytes(run.student, run.publish_dtype), rate,
                                b.save_estimate_factor)
     sampling = opd_step.Sampling(engine, teacher_engine, mine, reads_logp)
     lp = _Loop(run, sampling, publisher, metrics_f, tracker=None, published_step=None, state_step=state_step,
@@ -299,9 +299,9 @@ def _setup(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: d
 def _set_lr(cfg: Config, run: Run, step: int, elapsed: float, last_step_s: float, save_s: float) -> float:
     """The learning rate of step ``step + 1``, set on the optimizer (the run's first step starts the
     wall-clock schedule, which ends when the loop will stop: see ``schedules.should_stop``)."""
-    if run.extras["lr_clock_start_s"] is None:
-        run.extras["lr_clock_start_s"] = elapsed
-    lr_elapsed_s, lr_budget_s = wallclock_clock(elapsed, run.extras["lr_clock_start_s"], cfg.budget.max_wall_time_s,
+    if run.lr_clock_start_s is None:
+        run.lr_clock_start_s = elapsed
+    lr_elapsed_s, lr_budget_s = wallclock_clock(elapsed, run.lr_clock_start_s, cfg.budget.max_wall_time_s,
                                                 cfg.budget.deadline_reserve_s, last_step_s, save_s)
     lr = lr_at(cfg.optim.schedule, step=step, total_steps=cfg.budget.schedule_steps or cfg.budget.max_steps,
                elapsed_s=lr_elapsed_s, budget_s=lr_budget_s, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,

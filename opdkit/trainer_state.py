@@ -211,12 +211,12 @@ def save(out: Path, run: Run, step: int, elapsed: float, data_pos: int, log, pen
     tensors = _state_dicts(run)
     meta = {
         "format": FORMAT, "step": step, "elapsed_s": elapsed, "data_pos": data_pos,
-        "lr_clock_start_s": run.extras["lr_clock_start_s"],
+        "lr_clock_start_s": run.lr_clock_start_s,
         "lora": run.cfg.lora.enabled, "ema": run.ema is not None,
         "rng": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if run.device.type == "cuda" else None,
         "config": to_dict(run.cfg), "data_fingerprint": run.inputs.data_fingerprint, "pending_rollout": pending,
-        "ranks": world.size, "objects": _objects(tensors), "run_id": run.extras.get("run_id"),
+        "ranks": world.size, "objects": _objects(tensors), "run_id": run.run_id,
     }  # fmt: skip
     what, size = f"the trainer state at step {step}", _size_on_disk(tensors)
     p = run.cfg.publish

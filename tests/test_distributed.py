@@ -29,8 +29,9 @@ from opdkit import distributed, trainer_state
 from opdkit.checkpoints import validate_checkpoint
 from opdkit.config import load_config
 from opdkit.embedded import asset
+from opdkit.engines.weights import export_state_dict
 from opdkit.models import load_model
-from opdkit.setup import RunError, export_state_dict, make_optimizer
+from opdkit.setup import RunError, make_optimizer
 from opdkit.teacher import unwrap
 from procs import env as child_env
 from student_weights import trainable_state
@@ -165,7 +166,7 @@ def test_a_sharded_step_and_its_gathered_state_equal_the_unsharded_ones(world1, 
         for k in a:
             assert torch.allclose(a[k].float(), b[k].float(), atol=1e-6), k
 
-    assert_close(export_state_dict(plain), distributed.export_state_dict(sharded))
+    assert_close(export_state_dict(plain), distributed.gather_weights(sharded))
     o_plain, o_sharded = _full_optimizer_state(plain, opts[0]), _full_optimizer_state(sharded, opts[1])
     assert o_plain["param_groups"] == o_sharded["param_groups"]
     assert o_plain["state"].keys() == o_sharded["state"].keys()
@@ -230,7 +231,7 @@ def test_shard_run_carries_a_restored_optimizer_state_over_and_the_sharded_state
             assert torch.equal(after["state"][name][k], v), (name, k)
     # the trainer state of the sharded run (DTensor shards, written through the process group) is
     # the unsharded run's: restored into a fresh, unsharded run
-    sharded.extras["lr_clock_start_s"] = 0.0
+    sharded.lr_clock_start_s = 0.0
     trainer_state.save(tmp_path, sharded, step=1, elapsed=0.0, data_pos=0, log=lambda *_: None)
     fresh = build_run(cfg, prepare_inputs(cfg), log=lambda *_: None)
     trainer_state.restore(fresh, trainer_state.peek(tmp_path))

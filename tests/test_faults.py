@@ -74,13 +74,13 @@ INJECT = {
     """,
     "nan_export": """
         import opdkit.distributed as d
-        real = d.export_state_dict
+        real = d.gather_weights
         def patched(model, **kw):
             sd = real(model, **kw)
             if WHEN(count()):  # the weights handed to the exporter (the live model stays finite)
                 sd["model.norm.weight"][3] = float("nan")
             return sd
-        d.export_state_dict = patched
+        d.gather_weights = patched
     """,
     "none": "",
 }

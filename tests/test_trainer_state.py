@@ -29,7 +29,7 @@ VARIANTS = {"full": [], "lora": ["lora.enabled=true", "lora.r=4"], "ema": ["teac
 def _run(*overrides: str):
     cfg = load_config(None, [*BASE, *overrides])
     run = build_run(cfg, prepare_inputs(cfg), log=lambda *_: None)
-    run.extras["lr_clock_start_s"] = 1.5
+    run.lr_clock_start_s = 1.5
     return run
 
 

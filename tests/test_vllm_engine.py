@@ -210,7 +210,7 @@ def test_the_weights_pushed_into_vllm_are_the_exported_ones(tiny_llama):
     """LoRA merged, named as the base model's: exactly what a published checkpoint holds."""
     from peft import LoraConfig, get_peft_model
 
-    from opdkit.setup import export_state_dict
+    from opdkit.engines.weights import export_state_dict
 
     model = get_peft_model(copy.deepcopy(tiny_llama), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
                                                                                                     "v_proj"]))
