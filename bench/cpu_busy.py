@@ -10,7 +10,7 @@ briefly then sleep) and number of busy processes (pure-Python spin loops, one co
 ``python -m opdkit train`` for ``--steps`` steps of the default rollout (16 prompts x 4 samples,
 64 tokens) and reads the step times from its ``metrics/train.jsonl``
 (``time_rollout_s + time_score_s + time_update_s``; the first two steps are dropped as warm-up),
-for each arm of ``--arms`` (the pipeline's arms, ``opdkit.report.pipeline_arms``: default ``rkl``;
+for each arm of ``--arms`` (the pipeline's arms, ``opdkit.studies.report.pipeline_arms``: default ``rkl``;
 the controls train as the pipeline trains them).
 Prints one line per case, with the median seconds of each phase, and writes DIR/cpu_busy.json:
 
@@ -76,10 +76,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--wait-policy", nargs="+", default=["unset"], help="unset | ACTIVE | PASSIVE | SPIN<n>")
     ap.add_argument("--busy", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--arms", nargs="+", default=["rkl"], help="arms of the pipeline (opdkit.report.pipeline_arms)")
+    ap.add_argument("--arms", nargs="+", default=["rkl"],
+                    help="arms of the pipeline (opdkit.studies.report.pipeline_arms)")
     args = ap.parse_args()
     from opdkit.config import load_config
-    from opdkit.report import pipeline_arms
+    from opdkit.studies.report import pipeline_arms
 
     arms = {a.name: a.overrides for a in pipeline_arms(load_config(None))}
     unknown = [a for a in args.arms if a not in arms]

@@ -40,9 +40,9 @@ from opdkit.data import read_table, write_rows
 from opdkit.embedded import asset
 from opdkit.embedded.task import carry_dropped_solution, parse_prompt
 from opdkit.offline import read_meta
-from opdkit.report import report
 from opdkit.stages.jobs import Job, run_jobs
 from opdkit.stats import repeat_stats
+from opdkit.studies.report import report
 
 SOURCES = {"teacher": ["loss.sft_source=teacher"], "carry": ["loss.sft_source=reference"]}
 MODES = {"online": [], "offline": ["rollout.source=offline", "rollout.offline_ratio=behaviour"],

@@ -48,7 +48,7 @@ for loss in k1 rkl; do
 done
 python - "$OUT" <<'EOF'
 import json, pathlib, sys
-from opdkit.report import format_report
+from opdkit.studies.report import format_report
 out = pathlib.Path(sys.argv[1])
 for ref in ("teacher", "teacher_bpe", "student"):
     e = json.loads((out / "evals" / f"{ref}.json").read_text())

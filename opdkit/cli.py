@@ -305,7 +305,7 @@ def cmd_study(args) -> int:
 
 def cmd_report(args) -> int:
     from opdkit.config import load_config
-    from opdkit.report import PATTERN_FIELDS, expand_runs, report
+    from opdkit.studies.report import PATTERN_FIELDS, expand_runs, report
 
     evals = [Path(p) for p in args.evals]
     if any(f in p for p in args.evals for f in PATTERN_FIELDS):

@@ -17,9 +17,9 @@ import pytest
 from opdkit.cli import main
 from opdkit.config import load_config
 from opdkit.embedded import asset
-from opdkit.report import per_question_correct, report, train_metrics
 from opdkit.stages import eval_checkpoints
 from opdkit.stats import paired_question_diff
+from opdkit.studies.report import per_question_correct, report, train_metrics
 from opdkit.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

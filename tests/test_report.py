@@ -1,4 +1,4 @@
-"""opdkit.report (repeat-run statistics over eval JSONs, `opdkit report`) and opdkit.inspection
+"""opdkit.studies.report (repeat-run statistics over eval JSONs, `opdkit report`) and opdkit.studies.inspection
 (per-token teacher - student log-probs of sampled completions, for the rollout notebook)."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch
 
 from opdkit.cli import main
 from opdkit.config import ConfigError, load_config
-from opdkit.inspection import delta_colour, inspect_rollouts, summary, tokens_html
-from opdkit.report import (
+from opdkit.stats import compare_arms
+from opdkit.studies.inspection import delta_colour, inspect_rollouts, summary, tokens_html
+from opdkit.studies.report import (
     eval_paths,
     expand_runs,
     format_report,
@@ -27,7 +28,6 @@ from opdkit.report import (
     report,
     train_dirs,
 )
-from opdkit.stats import compare_arms
 
 ROOT = Path(__file__).resolve().parents[1]
 ACC = {"rkl": [0.50, 0.53, 0.51], "jsd": [0.56, 0.58, 0.55]}
@@ -222,7 +222,7 @@ def test_training_seconds_come_from_the_checkpoints_and_a_wall_match_off_by_over
     """An eval of a published checkpoint reads its opdkit.json's elapsed_s; a wall-matched arm that trained
     more than 10% longer or shorter than the baseline is flagged, one within 10% and a steps-matched one are not."""
     from opdkit.checkpoints import MANIFEST
-    from opdkit.report import CHECKPOINT_META, WALL_MATCH_TOL
+    from opdkit.studies.report import CHECKPOINT_META, WALL_MATCH_TOL
 
     assert CHECKPOINT_META == MANIFEST and WALL_MATCH_TOL == 0.10
     secs = {"rkl": [138.0, 140.0], "sft_teacher": [210.0, 212.0], "close": [150.0, 151.0], "sft_reference": [14.0,

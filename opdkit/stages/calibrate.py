@@ -1,6 +1,6 @@
 """Calibrate the pipeline's matched-wall-clock step budgets: seconds per training step of each arm.
 
-Trains each arm of ``opdkit.report.pipeline_arms`` (the params as dvc.yaml reads them, plus -S) for
+Trains each arm of ``opdkit.studies.report.pipeline_arms`` (the params as dvc.yaml reads them, plus -S) for
 ``--steps`` steps from the pipeline's student, publishing off, into a temporary directory, and takes the
 median of its per-step seconds after ``--skip`` warm-up steps (``elapsed_s`` differences of
 ``metrics/train.jsonl``: the whole step, rollout + scoring + update). The baseline arm's budget,
@@ -34,8 +34,8 @@ import yaml
 
 from opdkit.config import load_config as load_as_is, replace, to_dict
 from opdkit.recipes import load_config
-from opdkit.report import pipeline_arms, read_jsonl
 from opdkit.stages.jobs import default_workers, init_worker
+from opdkit.studies.report import pipeline_arms, read_jsonl
 
 
 def seconds_per_step(metrics: list[dict], skip: int) -> float:

@@ -9,7 +9,7 @@ one process for all checkpoints, so the model-free start-up is paid once); the e
 into ``--curve-dir/checkpoint-<step>.json``. ``--curve-dir/curve.json`` then lists, per evaluated
 checkpoint, the step, the run's elapsed training seconds and cumulative completion tokens at that step
 (from ``metrics/train.jsonl``), and the accuracy with its clustered stderr: the learning curve that
-``opdkit.report.learning_curves`` averages over seeds. The tags (``--tag arm=rkl --tag seed=0``) go into
+``opdkit.studies.report.learning_curves`` averages over seeds. The tags (``--tag arm=rkl --tag seed=0``) go into
 every eval JSON and the curve.
 
     python -m opdkit.stages.eval_checkpoints --run runs/train/rkl/seed0 --steps 120 \
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from opdkit.checkpoints import list_checkpoints, step_of
 from opdkit.cli import main as opdkit_main
-from opdkit.report import read_jsonl
+from opdkit.studies.report import read_jsonl
 
 
 def curve_point(eval_json: Path, step: int, metrics: list[dict]) -> dict:

@@ -5,7 +5,7 @@ allow; a worker process evaluates one checkpoint after another, so its start-up 
 
 - the student before training and the teacher: ``OUT/reference/before.json`` and ``teacher.json``
   (tagged ``arm=before`` / ``arm=teacher``);
-- every kept checkpoint of each run of the train matrix (``opdkit.report.pipeline_matrix``,
+- every kept checkpoint of each run of the train matrix (``opdkit.studies.report.pipeline_matrix``,
   ``RUNS/<arm>/seed<n>``, whose last checkpoint must be ``checkpoint-<the arm's steps>``), with the
   command ``opdkit.stages.eval_checkpoints`` runs for it: the last into ``OUT/<arm>/seed<n>.json``, the others
   into ``CURVES/<arm>/seed<n>/checkpoint-<step>.json``, tagged ``step``, ``arm``, ``seed`` and ``match``
@@ -28,10 +28,10 @@ from pathlib import Path
 from opdkit.checkpoints import step_of
 from opdkit.config import ConfigError, load_config as load_as_is, to_dict
 from opdkit.recipes import load_config
-from opdkit.report import pipeline_arms
 from opdkit.stages.eval_checkpoints import check_last_step, eval_argv, eval_out, write_curve
 from opdkit.stages.jobs import Job, run_jobs
 from opdkit.stages.train_runs import workers_for
+from opdkit.studies.report import pipeline_arms
 
 EVAL_READS = ("eval", "data", "runtime")  # the params sections opdkit eval reads
 

@@ -2,7 +2,7 @@
 
 A dvc.yaml plot or metric names its files (no globs; a directory stands for one plot per file), and the
 pipeline's runs are an arm x seed matrix that params.yaml decides. This stage gathers, for every run of
-the matrix (``opdkit.report.pipeline_matrix``), its DVCLive log ``RUNS/<arm>/seed<n>/dvclive``
+the matrix (``opdkit.studies.report.pipeline_matrix``), its DVCLive log ``RUNS/<arm>/seed<n>/dvclive``
 (``opdkit.tracking``) and its learning curve ``CURVES/<arm>/seed<n>/curve.json`` into::
 
     OUT/plots/<name>.tsv        columns run, step, <name>: a row per run and step, for each name of
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from opdkit.config import ConfigError, load_config as load_as_is
 from opdkit.fsutil import atomic_write_json, atomic_write_text
-from opdkit.report import pipeline_matrix
+from opdkit.studies.report import pipeline_matrix
 from opdkit.tracking import DVCLIVE_DIR, DVCLIVE_METRICS, DVCLIVE_SUMMARY
 
 PLOTTED = ("loss", "kl", "lr", "clipped_mass")  # train.jsonl names drawn per step (DVCLive's history files)

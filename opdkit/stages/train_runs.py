@@ -1,6 +1,6 @@
 """DVC stage ``train``: every training run of the pipeline (arm x seed), side by side.
 
-For each arm of ``opdkit.report.pipeline_arms`` (the OPD arms ``loss.name`` and
+For each arm of ``opdkit.studies.report.pipeline_arms`` (the OPD arms ``loss.name`` and
 ``pipeline.baseline_arm``, then the controls of ``pipeline.controls``) and each seed of
 ``pipeline.seeds``, one run::
 
@@ -40,8 +40,8 @@ from pathlib import Path
 from opdkit.config import ConfigError, load_config as load_as_is, to_dict
 from opdkit.loss_table import samples_from
 from opdkit.recipes import load_config
-from opdkit.report import pipeline_arms
 from opdkit.stages.jobs import Job, default_workers, run_jobs
+from opdkit.studies.report import pipeline_arms
 from opdkit.tracking import TrackingError, resolve as resolve_tracker
 
 TRAIN_IGNORES = ("eval", "studies", "pipeline", "embedded")  # sections opdkit train does not read
