@@ -26,9 +26,9 @@ from opdkit.data import read_table, write_rows
 from opdkit.embedded import asset
 from opdkit.embedded.task import parse_prompt
 from opdkit.engines.hf import HFEngine
+from opdkit.scoring import completion_hidden, token_logprobs, unwrap
 from opdkit.setup import build_run, prepare_inputs
 from opdkit.stages.jobs import Job, run_jobs
-from opdkit.teacher import completion_hidden, token_logprobs, unwrap
 
 
 def _steps(prompt: str):

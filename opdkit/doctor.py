@@ -43,8 +43,8 @@ from opdkit.engines.select import check_params as check_engine_params, engine_na
 from opdkit.memory import GIB, device_memory, estimate, fixed, model_shape, peak
 from opdkit.models import ModelError, compute_dtype, load_model, pick_device, setup_torch
 from opdkit.pairs import FAIL, OK, SKIP, WARN, Finding, Inputs
+from opdkit.scoring import AlignmentError
 from opdkit.setup import RunError, check_params
-from opdkit.teacher import AlignmentError
 
 # + "alignment (vllm teacher)"
 LIVE_CHECKS = ("memory", "alignment (hf)", "self KL", "teacher repeat", "alignment (vllm)")

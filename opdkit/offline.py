@@ -50,7 +50,7 @@ import torch
 from opdkit import loss_table, opd
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.scores import TeacherScores
-from opdkit.teacher import completion_hidden, token_logprobs, unwrap
+from opdkit.scoring import completion_hidden, token_logprobs, unwrap
 
 FORMAT = 1
 META_KEY = b"opdkit.offline"

@@ -20,7 +20,7 @@ from opdkit import loss_table
 from opdkit.config import LossConfig, RolloutConfig, RuntimeConfig
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.sampling import sample_seed
-from opdkit.teacher import (
+from opdkit.scoring import (
     AlignmentError,
     Geometry,
     build_geometry,

@@ -3,7 +3,7 @@ removed, one after another, attention causal within each row only (variable-leng
 
 The scorer's forward of a step (the student's with gradients, the teacher's without) over B rows of
 prompt + completion computes, for each row alone, the hidden states of its real tokens at positions
-0..n_b-1 (``teacher.completion_hidden``'s unpadded mode, which ran each row as a forward of its own).
+0..n_b-1 (``scoring.completion_hidden``'s unpadded mode, which ran each row as a forward of its own).
 Packed, the rows are one forward: the same kernels for every layer once per step instead of once per
 row (at 1,024 new tokens a row's kernels are too small to keep the GPU busy: the per-row forward is
 bound by launching them), no padding computed, no S x S mask.

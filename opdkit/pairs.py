@@ -41,7 +41,7 @@ from opdkit.config import Config
 from opdkit.data import TEACHER_REFERENCES, DataError, Example, fingerprint, load_examples
 from opdkit.engines.base import pad_and_eos
 from opdkit.models import ModelError, check_model_dir, config_rows, load_tokenizer, model_rows, tokenizer_ids
-from opdkit.teacher import restrict_vocab
+from opdkit.scoring import restrict_vocab
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 # generation_config.json keys that change what generate() / vLLM's defaults sample, with their neutral values.

@@ -49,9 +49,9 @@ from opdkit.engines.base import left_pad
 from opdkit.engines.sampling import policy_logits
 from opdkit.schedules import should_stop
 from opdkit.scores import TeacherScores
+from opdkit.scoring import completion_hidden, token_logprobs, topk_logprobs, unwrap
 from opdkit.setup import Inputs, Run, update_ema
 from opdkit.sharding import check_same_on_ranks, deferred_grad_sync, layers_gathered
-from opdkit.teacher import completion_hidden, token_logprobs, topk_logprobs, unwrap
 
 
 @dataclass
@@ -159,7 +159,7 @@ def check_alignment(loss: LossConfig, run: Run, batch: opd.Batch, lag: int, step
                                          teacher_source=teacher_source)
     if align and batch.xtok is not None:  # the teacher's own view: its layout, and how the two tokenizations align
         from opdkit import xtok
-        from opdkit.teacher import check_alignment as check_layout
+        from opdkit.scoring import check_alignment as check_layout
 
         view = batch.xtok.teacher
         g = opd.GEOMETRIES["left"](view.prompt_ids_B_Sp, view.prompt_mask_B_Sp, view.completion_ids_B_T,
@@ -358,7 +358,7 @@ def chunk_loss(L: LossConfig, h_s_B_C_H, s_head, t_ctx, sl, batch: opd.Batch, ro
 
     def teacher_full_B_C_V():
         with torch.no_grad():
-            return teachers.full_logprobs(t_ctx, sl)
+            return teachers.teacher_full_logprobs(t_ctx, sl)
 
     make = {
         "logp_B_T": lambda: logits_B_C_V.log_softmax(-1).gather(-1, ids_B_C[..., None])[..., 0],

@@ -12,7 +12,7 @@ and how their scores come back to the loss.
   train.jsonl). Every member shares the student's tokenizer (the pair checks run for each).
 - ``teacher.device`` (one process): the teacher's weights live and run there; ``to_device`` moves
   its outputs to the student's device, and for the full-vocabulary losses a copy of its head
-  (``teacher.head_on``, V x H) makes its logits there from its hidden states (B x T x H moved),
+  (``scoring.head_on``, V x H) makes its logits there from its hidden states (B x T x H moved),
   never (B, T, V) tensors across devices.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from opdkit import loss_table
 from opdkit.scores import TeacherScores
-from opdkit.teacher import head_on
+from opdkit.scoring import head_on
 
 
 @dataclass
@@ -146,7 +146,7 @@ def merge(batch, row_sets: list, per_teacher: dict[int, list]) -> list[TeacherSc
     return out
 
 
-def full_logprobs(ctx: TeacherScores, sl) -> torch.Tensor:
+def teacher_full_logprobs(ctx: TeacherScores, sl) -> torch.Tensor:
     """The teacher's log-probs over the vocabulary at completion positions ``sl``: (B, C, V) fp32,
     from one teacher's hidden states and head, or each of several teachers' on its rows."""
     if ctx.full_parts is None:

@@ -44,7 +44,7 @@ import torch
 
 from opdkit import loss_table, losses
 from opdkit.scores import TeacherScores
-from opdkit.teacher import token_logprobs
+from opdkit.scoring import token_logprobs
 from opdkit.xtok import Pair, XtokBatch, span_sum
 
 VOCAB_MAPS = ("prefix", "exact")  # teacher.vocab_map

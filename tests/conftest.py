@@ -42,7 +42,7 @@ LONGEST_FIRST = ("test_pipeline.py", "test_end_of_run.py", "test_notebooks.py", 
                  "test_decode_kernels.py", "test_teachers.py", "test_vllm_teacher.py",
                  "test_collectives.py", "test_fixture.py", "test_doctor.py",
                  "test_publish.py", "test_train_losses.py", "test_stage_jobs.py", "test_sampling.py",
-                 "test_rollout.py", "test_privileged_live.py", "test_teacher.py", "test_studies.py")
+                 "test_rollout.py", "test_privileged_live.py", "test_scoring.py", "test_studies.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,7 +18,7 @@ from opdkit.engines.base import Rollout, left_pad
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.select import engine_name
 from opdkit.models import load_model, load_tokenizer
-from opdkit.teacher import AlignmentError
+from opdkit.scoring import AlignmentError
 
 CFG = replace(Config(), "runtime.threads=1")
 T_NEW = 12

@@ -31,8 +31,8 @@ from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.engines.weights import export_state_dict
 from opdkit.models import load_model
+from opdkit.scoring import unwrap
 from opdkit.setup import RunError, make_optimizer
-from opdkit.teacher import unwrap
 from procs import env as child_env
 from student_weights import trainable_state
 

@@ -15,7 +15,7 @@ from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
 from opdkit.engines.static import StaticDecoder
 from opdkit.models import load_model
-from opdkit.teacher import build_geometry, completion_hidden, token_logprobs, unwrap
+from opdkit.scoring import build_geometry, completion_hidden, token_logprobs, unwrap
 
 PROMPTS = ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]
 

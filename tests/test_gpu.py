@@ -143,7 +143,7 @@ def test_bf16_step_with_and_without_gradient_checkpointing(tok):
 
 def test_chunked_logprobs_bound_the_memory():
     """B x T x V fp32 never exists at once: peak extra memory follows the chunk, not T."""
-    from opdkit.teacher import token_logprobs
+    from opdkit.scoring import token_logprobs
 
     B, T, H, V = 4, 2048, 64, 32768
     head = torch.nn.Linear(H, V, bias=False, device="cuda")
@@ -253,7 +253,7 @@ def test_packed_rows_equal_row_by_row_with_gradients():
     row's hidden states and the same gradients as running each row alone."""
     from opdkit import packing
     from opdkit.engines.base import left_pad
-    from opdkit.teacher import build_geometry, completion_hidden
+    from opdkit.scoring import build_geometry, completion_hidden
 
     if not packing.varlen_available(torch.device("cuda")):
         pytest.skip("this torch has no torch.nn.attention.varlen")

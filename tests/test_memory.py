@@ -15,7 +15,7 @@ from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.memory import GRADIENTS, activation_bytes_per_token, estimate, model_shape
 from opdkit.models import load_model
-from opdkit.teacher import unwrap
+from opdkit.scoring import unwrap
 from qwen2_fixture import fixture_dir
 
 

@@ -1,5 +1,5 @@
 """runtime.unpadded_rows as one packed forward (opdkit.packing) against each row run alone
-(teacher.completion_hidden's row-by-row path), on the CPU (the attention function's per-row
+(scoring.completion_hidden's row-by-row path), on the CPU (the attention function's per-row
 fallback: the packing, positions, row boundaries and the scatter back are what is checked here; the
 varlen FlashAttention itself in tests/test_gpu.py)."""
 
@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from opdkit import packing
 from opdkit.engines.base import left_pad
-from opdkit.teacher import build_geometry, completion_hidden
+from opdkit.scoring import build_geometry, completion_hidden
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

@@ -12,7 +12,7 @@ import torch
 from opdkit.config import config_from_dict
 from opdkit.engines.base import Rollout, left_pad
 from opdkit.opd import Batch, alignment_report, pad_offsets, student_geometry, teacher_geometry
-from opdkit.teacher import (
+from opdkit.scoring import (
     AlignmentError,
     build_geometry,
     build_right_padded_geometry,

@@ -307,7 +307,7 @@ def _engines(model, tok):
 
 def _check_engines_record_log_pi(model, tok, prompts, n_vocab, T, G=2):
     from opdkit import opd
-    from opdkit.teacher import completion_hidden, token_logprobs, unwrap
+    from opdkit.scoring import completion_hidden, token_logprobs, unwrap
 
     for name, engine in _engines(model, tok).items():
         for tau, top_p in ((TAU, TOP_P), (1.0, 1.0)):

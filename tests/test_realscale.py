@@ -163,7 +163,7 @@ def _without_padding_rows(model, n: int):
     """An independent copy of ``model`` whose embedding and head are its rows ``0..n-1`` only."""
     import copy
 
-    from opdkit.teacher import restrict_vocab
+    from opdkit.scoring import restrict_vocab
 
     cut = copy.deepcopy(model)
     H = model.config.hidden_size
@@ -184,7 +184,7 @@ def test_every_loss_scores_over_the_shared_vocabulary_like_a_teacher_without_pad
     from opdkit.data import encode_prompt, load_examples
     from opdkit.models import load_model, load_tokenizer
     from opdkit.pairs import use_shared_vocab
-    from opdkit.teacher import completion_hidden, token_logprobs, unwrap
+    from opdkit.scoring import completion_hidden, token_logprobs, unwrap
 
     cpu = torch.device("cpu")
     tok = load_tokenizer(fx / "student")
@@ -253,7 +253,7 @@ def test_a_sampled_padding_id_fails_loudly_at_scoring():
     log-prob over the shared vocabulary: scoring says so instead of indexing past the logits."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from opdkit.teacher import restrict_vocab, token_logprobs, unwrap
+    from opdkit.scoring import restrict_vocab, token_logprobs, unwrap
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -6,7 +6,7 @@ from opdkit.embedded import asset
 from opdkit.engines.base import completion_mask, left_pad
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import SeededSampler, sample_seed, top_p_filter
-from opdkit.teacher import build_geometry, completion_hidden, token_logprobs, unwrap
+from opdkit.scoring import build_geometry, completion_hidden, token_logprobs, unwrap
 
 PROMPTS = ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]
 

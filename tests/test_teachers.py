@@ -19,7 +19,7 @@ from opdkit.config import Config, load_config, replace
 from opdkit.data import encode_prompt, load_examples, read_table
 from opdkit.models import load_model, load_tokenizer
 from opdkit.pairs import use_shared_vocab
-from opdkit.teacher import completion_hidden, token_logprobs, unwrap
+from opdkit.scoring import completion_hidden, token_logprobs, unwrap
 from qwen2_fixture import fixture_dir, teacher_with_another_vocabulary
 
 CPU = torch.device("cpu")

@@ -17,8 +17,8 @@ import torch
 from opdkit import tensor_files, trainer_state
 from opdkit.config import load_config
 from opdkit.fsutil import StorageError
+from opdkit.scoring import unwrap
 from opdkit.setup import build_run, prepare_inputs
-from opdkit.teacher import unwrap
 from student_weights import trainable_state
 
 BASE = ["runtime.threads=1", "budget.max_steps=4", "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant",

@@ -293,7 +293,7 @@ def test_vllm_samples_the_live_student(qwen2_dir):
     tokenizer ids, a pushed optimizer update changes what is sampled, the trainer's RNG untouched."""
     from opdkit import opd
     from opdkit.models import load_model, load_tokenizer
-    from opdkit.teacher import completion_hidden, restrict_vocab, token_logprobs, unwrap
+    from opdkit.scoring import completion_hidden, restrict_vocab, token_logprobs, unwrap
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = load_config(None, ["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.2",

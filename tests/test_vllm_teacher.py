@@ -256,7 +256,7 @@ def test_the_colocated_vllm_teacher_agrees_with_the_hf_teacher(small_pair):
     engine = vt.EngineTeacher(load_config(None, [*base, "loss.name=topk_fkl"]), cut, n_ids, device)
     m = batch.rollout.completion_mask_B_T.bool()
     tol_max, tol_mean = load_config(None, []).runtime.alignment_tol_bf16
-    from opdkit.teacher import completion_hidden, token_logprobs
+    from opdkit.scoring import completion_hidden, token_logprobs
 
     with torch.no_grad():  # the teeth: over all rows, padding included, the HF teacher's log-probs are visibly other
         all_rows = token_logprobs(teacher.lm_head, completion_hidden(teacher, opd.teacher_geometry(batch)),

@@ -10,7 +10,7 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   (left-padded, width W) are prefilled into slots Sp-W..Sp-1 of a cache of Sp + T + S slots
   (Sp: the prompt slots of the session, W rounded up; a later call with prompts up to Sp reuses
   it); completion token t is fed at slot Sp+t-1 with position n_prompt+t-1, the geometry that
-  ``teacher.build_geometry`` scores;
+  ``scoring.build_geometry`` scores;
 - one decode step reads every varying value (token index, positions, the visible span
   ``start_b <= slot < Sp + t``) from device tensors, so its shapes never change: S steps
   (``steps_per_graph``) are captured as one CUDA graph, once per session, and replayed; the host

@@ -30,10 +30,10 @@ from tqdm.auto import tqdm
 
 from opdkit import losses
 from opdkit.config import Config
+from opdkit.scoring import full_logprobs, unwrap
 from opdkit.stats import kl_bin_means
 from opdkit.studies.common import new_figure, position_chunks, prepare, row_chunks, study_header, tau_label, write_json
 from opdkit.studies.padding import hidden_at, reference_geometry
-from opdkit.teacher import full_logprobs, unwrap
 
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)  # levels reported in ``kl_quantiles``
 

@@ -18,7 +18,7 @@ import torch
 from opdkit import opd
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
-from opdkit.teacher import completion_hidden, token_logprobs, unwrap
+from opdkit.scoring import completion_hidden, token_logprobs, unwrap
 
 
 @dataclass

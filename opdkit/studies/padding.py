@@ -3,7 +3,7 @@
 The student's rollouts are scored three ways, for k pads (``studies.padding_k``):
 
 - reference: ``[left pads][prompt][completion]``, positions from the attention mask (the kit's
-  collation, ``opdkit.teacher.build_geometry``);
+  collation, ``opdkit.scoring.build_geometry``);
 - right: ``[left pads][prompt][k pads][completion]``, the k pads masked out of attention but
   *consuming positions*: positions run on from each row's first real token over the gap, so the
   completion's positions are shifted by +k (what a right-padding collator with ``arange`` position
@@ -33,8 +33,8 @@ from opdkit import losses
 from opdkit.config import Config
 from opdkit.engines.base import Rollout
 from opdkit.opd import Batch, alignment_report
+from opdkit.scoring import AlignmentError, Geometry, build_geometry, check_alignment, full_logprobs, unwrap
 from opdkit.studies.common import log_floor, new_figure, position_chunks, prepare, row_chunks, study_header, write_json
-from opdkit.teacher import AlignmentError, Geometry, build_geometry, check_alignment, full_logprobs, unwrap
 
 SIDES = ("right", "left")
 

@@ -4,7 +4,7 @@ import torch
 from opdkit import losses
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
-from opdkit.teacher import (
+from opdkit.scoring import (
     AlignmentError,
     build_geometry,
     check_alignment,
