@@ -18,6 +18,12 @@
 #                                kit before the change, SPEED_KIT) and after; the bf16 matrix rate (~7 min)
 #   f2: carry .lane .v1          the update at 7,168 (FLOP rate, profile); S1 at 7,168 without gradient checkpointing
 #                                in micro-batches of 2 rows (~5 min)
+#   h1: carry .speed           the attention kernel's GPU tests; bench/attn_bench.py (the partials kernel before /
+#                                after at contexts up to 7,168, its launch settings); the GEMV kernels' warps / stages
+#                                (bench/gemv_bench.py --grid tune) (~8 min)
+#   h2: carry .lane .speed .v0  the decoder's GPU tests; the static decoder before (.speed/head) / after at 1,024 new
+#                                tokens (samples' digest, steps/s, profile); S1 at 7,168 (3 steps) (~7 min)
+#   h3: carry .lane .speed      h2's tests, the static decoder at 1,024 (digest), bench/attn_bench.py (~5 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -33,9 +39,35 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 if [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 60000000 ]; then R=/dev/shm/lane; else R=/tmp/lane; fi
 lim() { local s=$1; shift; timeout -k 10 "$s" "$@"; echo "$* -> rc=$? ($(date -u +%T))" >> "$OUT/calls.txt"; }
-[ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
+[ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ "$PHASE" = h1 ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
 case $PHASE in
   copy) ;;
+  h1)
+    lim 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "decode_kernels or graph_replay" \
+      > "$OUT/tests.txt" 2>&1
+    lim 170 python3 bench/attn_bench.py --out "$OUT" --before .speed/head/opdkit/engines/decode_triton.py \
+      --budget-s 150 > "$OUT/attn_log.txt" 2>&1
+    lim 240 python3 bench/gemv_bench.py --out "$OUT" --grid tune --budget-s 210 > "$OUT/gemv_log.txt" 2>&1
+    ;;
+  h2)
+    lim 90 python3 bench/attn_bench.py --out "$OUT" --before .speed/head/opdkit/engines/decode_triton.py \
+      --budget-s 70 > "$OUT/attn_log.txt" 2>&1
+    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
+      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    for kit in .speed/head ""; do
+      lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+        --impls new >> "$OUT/parts.txt" 2>&1
+    done
+    lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name s1_7168 --recipe s1 --steps 3 \
+      -S rollout.max_new_tokens=7168 >> "$OUT/parts.txt" 2>&1
+    ;;
+  h3)
+    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
+      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    lim 60 python3 bench/attn_bench.py --out "$OUT" --before .speed/head/opdkit/engines/decode_triton.py \
+      --budget-s 40 > "$OUT/attn_log.txt" 2>&1
+    ;;
   g)
     lim 140 python3 bench/gemv_bench.py --out "$OUT" --budget-s 110 > "$OUT/gemv_log.txt" 2>&1
     lim 150 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1

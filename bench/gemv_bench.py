@@ -5,9 +5,12 @@ weight is re-read from L2) called back to back inside one CUDA graph, timed over
 
     python bench/gemv_bench.py --out /tmp/out          # the Qwen2.5-1.5B shape (hidden 1536, MLP 8960)
     python bench/gemv_bench.py --out /tmp/out --quick  # the default configuration only
+    python bench/gemv_bench.py --out /tmp/out --grid tune  # the default's blocks and split over warps and stages,
+                                                           # then its neighbours in block and split
 
 Writes one JSON row per (shape, variant) to OUT/gemv.jsonl: microseconds per call, GB/s of weights streamed,
-and the weights-only bound at the copy bandwidth measured in the same process.
+and the weights-only bound at the copy bandwidth measured in the same process; each configuration's
+``same_bits_as_default``: its output equal, bit for bit, to the default configuration's.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--qkv", type=int, default=2048, help="fused q/k/v outputs (12 + 2 x 2 heads of 128)")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--quick", action="store_true", help="the default configuration only, no grid")
+    ap.add_argument("--grid", choices=["blocks", "tune"], default="blocks",
+                    help="blocks: BLOCK_N x BLOCK_K x SPLIT at 4 warps / 4 stages; tune: the default's blocks and "
+                         "split at 2 / 4 / 8 warps x 2-6 stages, then BLOCK_N and SPLIT halved / doubled")
     ap.add_argument("--budget-s", type=float, default=150.0, help="the grid's seconds, shared out over the shapes")
     args = ap.parse_args(argv)
     from opd_bench import copy_bandwidth  # bench/ is this script's directory: on sys.path
@@ -95,10 +101,18 @@ def main(argv=None) -> int:
               "GBps": weight_bytes / us / 1e3})
         want = cublas(0).float()
         configs, t_shape = [None], time.perf_counter()
-        if not args.quick:
+        bn, bk, sp, _, _ = dk.gemv_config(N, K)
+        if args.quick:
+            pass
+        elif args.grid == "blocks":
             grid = itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (4,), (4,))
             configs += [c for c in grid if K // c[2] >= c[1]]
-        best = None
+        else:
+            configs += [(bn, bk, sp, w, st) for w in (2, 4, 8) for st in (2, 3, 4, 5, 6)]
+            configs += [(n, bk, s2, w, st) for n in (bn // 2, bn, 2 * bn) for s2 in (sp // 2, sp, 2 * sp)
+                        for w, st in ((4, 4), (8, 4), (8, 3)) if s2 >= 1 and n >= 16 and (n, s2) != (bn, sp)
+                        and K // s2 >= bk]
+        default_out, best = None, None
         for cfg in configs:
             if time.perf_counter() - t_shape > args.budget_s / len(shapes):
                 emit({**base, "variant": "grid stopped: budget", "us": None})
@@ -107,14 +121,18 @@ def main(argv=None) -> int:
                 def gemv(i, ws=ws, bs=bs, x=x, N=N, silu=silu, cfg=cfg):
                     return dk.gemv_launch(x, ws[i], bs[i], N, silu, cfg)
 
-                err = float((gemv(0).float() - want).abs().max())
+                got = gemv(0)
+                err = float((got.float() - want).abs().max())
+                if default_out is None:
+                    default_out = got
+                same = bool(torch.equal(got, default_out))
                 us = time_calls(gemv, L)
             except Exception as e:  # a configuration Triton cannot compile here: reported, the next goes on
                 emit({**base, "variant": f"gemv {cfg}", "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
             used = cfg or dk.gemv_config(N, K)
             row = {**base, "variant": "gemv default" if cfg is None else "gemv", "config": list(used), "us": us,
-                   "GBps": weight_bytes / us / 1e3, "max_abs_diff_vs_cublas": err}
+                   "GBps": weight_bytes / us / 1e3, "max_abs_diff_vs_cublas": err, "same_bits_as_default": same}
             emit(row)
             if best is None or us < best["us"]:
                 best = row

@@ -30,6 +30,7 @@ them. Triton is optional: ``available()`` says whether the kernels can run on a 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -161,12 +162,16 @@ def _next_pow2(n: int) -> int:
 class AttentionPlan:
     """The split of a cache of ``L`` slots over (B, K) heads for ``attention`` (flash decoding), with
     its preallocated float32 partials, so a CUDA graph can replay it: NSPLIT splits of CHUNK slots
-    (about 512 programs in all), each program reading only the visible slots of its split."""
+    (about 512 programs in all), each program reading only the visible slots of its split; ``num_warps`` /
+    ``num_stages``: the partials kernel's launch (``bench/attn_bench.py`` measures them; on an H200 the stages
+    changed no bit, 8 warps did at 7,408 slots; the defaults are Triton's, 4 and 3)."""
 
     BLOCK_N = 64
 
-    def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 512):
+    def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 512, num_warps: int = 4,
+                 num_stages: int = 3):
         self.B, self.H, self.K, self.D, self.L = B, H, K, D, L
+        self.num_warps, self.num_stages = num_warps, num_stages
         splits = max(1, min(64, _next_pow2(-(-programs // (B * K)))))  # programs / (B K) splits, at most 64
         per_split = -(-L // splits)
         self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N  # slots per split, whole blocks
@@ -187,7 +192,8 @@ def rope_attention(qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_
     k["rope_attn_partial"][(B, K, plan.nsplit)](
         qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc,
         plan.m, plan.l, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G, GP=max(16, _next_pow2(G)), D=D,
-        CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, IEEE=qkv_B_X.dtype == torch.float32)
+        CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, IEEE=qkv_B_X.dtype == torch.float32,
+        STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan.num_warps, num_stages=plan.num_stages)
     out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
     k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
                                D=D)

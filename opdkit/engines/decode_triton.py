@@ -13,14 +13,41 @@ def _rotate(x, partner, cos, sin, d, half: tl.constexpr):
 
 
 @triton.jit
+def _attn_block(q, k_ptr, v_ptr, base, n0, lo, hi, stride_cl, d, m_i, l_i, acc, scale, BLOCK_N: tl.constexpr,
+                IEEE: tl.constexpr):
+    """One block of BLOCK_N cache slots from ``n0`` (those in [lo, hi) visible) folded into the online softmax
+    (m_i, l_i, acc) of the rotated queries ``q`` (GP, D): flash decoding's inner step."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    valid = (n >= lo) & (n < hi)
+    kv_off = base + n[:, None] * stride_cl + d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: the block holds a visible slot
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc_ptr,
                              m_ptr, l_ptr, scale, stride_qkv, stride_cb, stride_ck, stride_cl,
                              H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                              CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             IEEE: tl.constexpr, STATIC_LOOP: tl.constexpr):
     """Program (b, kh, s): the G query heads of K/V head kh of row b rotated at the row's position (from the raw
     q/k/v projection), the split holding the new token's slot (end - 1) writing its rotated k and its v into the
-    caches, then flash-decoding partials over the visible slots of split s."""
+    caches, then flash-decoding partials over the visible slots of split s (a split with none writes m = -inf and
+    l = 0 only: ``attn_reduce_kernel`` gives it weight 0 without reading its partials)."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -37,10 +64,6 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
     cos = tl.load(cos_ptr + pos * D + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
     row = qkv_ptr + b * stride_qkv
-    qh = kh * G + g
-    xq = tl.load(row + qh[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-    pq = tl.load(row + qh[:, None] * D + dp[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-    q = _rotate(xq, pq, cos[None, :], sin[None, :], d[None, :], half).to(k_ptr.dtype.element_ty)
     slot = end - 1
     if (slot >= s * CHUNK) & (slot < s * CHUNK + CHUNK):  # this split reads the new slot: it writes it first
         krow = row + (H + kh) * D
@@ -49,37 +72,35 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
         tl.store(k_ptr + at, k_new.to(k_ptr.dtype.element_ty))
         tl.store(v_ptr + at, tl.load(row + (H + K + kh) * D + d).to(v_ptr.dtype.element_ty))
     tl.debug_barrier()  # the block's stores visible to all its threads before the loop reads the slot
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    base = b * stride_cb + kh * stride_ck
-    for i in range(0, CHUNK // BLOCK_N):  # a static trip count; blocks outside [lo, hi) are skipped
-        n0 = s * CHUNK + i * BLOCK_N
-        if (n0 < hi) & (n0 + BLOCK_N > lo):
-            n = n0 + tl.arange(0, BLOCK_N)
-            valid = (n >= lo) & (n < hi)
-            kv_off = base + n[:, None] * stride_cl + d[None, :]
-            k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
-            if IEEE:
-                sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                sc = tl.dot(q, tl.trans(k))
-            sc = tl.where(valid[None, :], sc * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: the block holds a visible slot
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
     h = kh * G + g
     part = (b * (K * G) + h) * NSPLIT + s
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    tl.store(m_ptr + part, m_i, mask=gmask)
-    tl.store(l_ptr + part, l_i, mask=gmask)
+    if lo < hi:  # the split holds visible slots
+        qh = kh * G + g
+        xq = tl.load(row + qh[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        pq = tl.load(row + qh[:, None] * D + dp[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q = _rotate(xq, pq, cos[None, :], sin[None, :], d[None, :], half).to(k_ptr.dtype.element_ty)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        base = b * stride_cb + kh * stride_ck
+        i_lo = (lo - s * CHUNK) // BLOCK_N  # the split's blocks holding a visible slot, in order
+        i_hi = (hi - s * CHUNK + BLOCK_N - 1) // BLOCK_N
+        if STATIC_LOOP:  # Triton's interpreter (some versions take no runtime loop bounds): the same blocks, in order
+            for i in range(0, CHUNK // BLOCK_N):
+                if (i >= i_lo) & (i < i_hi):
+                    m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, base, s * CHUNK + i * BLOCK_N, lo, hi, stride_cl, d,
+                                                m_i, l_i, acc, scale, BLOCK_N, IEEE)
+        else:
+            for i in range(i_lo, i_hi):  # runtime bounds: no branch in the body, so the loads pipeline (num_stages)
+                m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, base, s * CHUNK + i * BLOCK_N, lo, hi, stride_cl, d,
+                                            m_i, l_i, acc, scale, BLOCK_N, IEEE)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(m_ptr + part, m_i, mask=gmask)
+        tl.store(l_ptr + part, l_i, mask=gmask)
+    else:  # no visible slot: m = -inf and l = 0 only (the merge gives the split weight 0 and skips its partials)
+        tl.store(m_ptr + part, tl.full([GP], float("-inf"), tl.float32), mask=gmask)
+        tl.store(l_ptr + part, tl.zeros([GP], tl.float32), mask=gmask)
+
 
 @triton.jit
 def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
@@ -91,8 +112,9 @@ def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP
     m = tl.load(m_ptr + bh * NSPLIT + s, mask=valid, other=float("-inf"))
     lsum = tl.load(l_ptr + bh * NSPLIT + s, mask=valid, other=0.0)
     mx = tl.max(m, 0)
-    w = tl.where(valid & (m > float("-inf")), tl.exp(m - mx), 0.0)
-    acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=valid[:, None], other=0.0)
+    used = valid & (m > float("-inf"))  # the partials of splits with visible slots (the others are not written)
+    w = tl.where(used, tl.exp(m - mx), 0.0)
+    acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * lsum, 0)
     tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
 
