@@ -21,7 +21,7 @@
 # /out/checkpoints/checkpoint-<step>/), else ./out, with a line saying why; set OUTPUT_DIR to choose
 # (OPDKIT_CONTRACT_OUT names another directory than /out: for tests and other layouts).
 #
-# Locks: the trainer holds the GPU workload lock shared (opdkit/fsutil.py DeviceLock; `opdkit eval`
+# Locks: the trainer holds the GPU workload lock shared (opdkit/persist/fsutil.py DeviceLock; `opdkit eval`
 # takes it exclusively) and exclusive locks on OUTPUT_DIR and CKPT_DIR; it releases them when it has
 # exited, before this script returns (so an evaluation started after it finds the GPU free).
 #

@@ -25,7 +25,7 @@ import os, pathlib, time
 MARKS = pathlib.Path(os.environ["MARKS"])
 def mark(name):
     (MARKS / name).touch()
-import opdkit.publish as pub, opdkit.tensor_files as tf
+import opdkit.persist.publish as pub, opdkit.persist.tensor_files as tf
 real_write, real_pwrite = pub._write_safetensors, tf._pwrite_all
 def slow_write(path, tensors):
     mark("export"); time.sleep(3.0); return real_write(path, tensors)

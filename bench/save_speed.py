@@ -32,9 +32,9 @@ from types import SimpleNamespace
 import torch
 
 import opdkit  # the kit on PYTHONPATH (this checkout's, or an older one for a before/after)
-from opdkit import publish, trainer_state
 from opdkit.config import load_config
 from opdkit.models import random_model, shape_config
+from opdkit.persist import publish, trainer_state
 
 
 def _sync(device: torch.device) -> None:

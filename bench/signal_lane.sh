@@ -42,7 +42,7 @@ if [ -n "${SIGNAL_LANE_TINY:-}" ]; then
   mkdir -p "$R/site"
   cat > "$R/site/sitecustomize.py" <<'EOF'
 import time
-import opdkit.publish as pub, opdkit.tensor_files as tf
+import opdkit.persist.publish as pub, opdkit.persist.tensor_files as tf
 real_write, real_pwrite = pub._write_safetensors, tf._pwrite_all
 def slow_write(path, tensors):
     time.sleep(1.5); return real_write(path, tensors)
@@ -90,7 +90,7 @@ signal_and_record() {  # NAME SIGNAL OFFSET_S: signal the group OFFSET_S from no
 import json, sys
 from pathlib import Path
 run, name, sig, offset, rc, took = Path(sys.argv[1]), *sys.argv[2:]
-from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
+from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
 # every surviving checkpoint's structure (headers, sizes, shapes: seconds); `opdkit validate` (values, loading) at the end
 valid = {c.name: is_valid_checkpoint(c, full=False)[1] for c in list_checkpoints(run / "checkpoints")}
 record = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}

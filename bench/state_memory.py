@@ -5,7 +5,7 @@
 Builds a random-init student at the S1 shape (``models.shape_config("qwen2-1.5b")``: vocabulary
 151,936, hidden 1,536, untied head) with fewer layers, in fp32, and an AdamW whose state is filled
 (one step with zero gradients at lr 0). Then it saves the trainer state into ``--out`` (removed
-afterwards) with ``opdkit.trainer_state.save`` and reports, as one JSON line: the parameters, the
+afterwards) with ``opdkit.persist.trainer_state.save`` and reports, as one JSON line: the parameters, the
 tensor groups written (the weights and each Adam moment; the largest is the bound), the resident
 memory before the save, the peak during it (Linux ``VmHWM``, reset just before the save through
 ``/proc/self/clear_refs``), and the increase over the largest group. Memory, not time: a busy
@@ -73,7 +73,7 @@ def main() -> None:
                for k in ("exp_avg", "exp_avg_sq")}
     largest = max(weights, *moments.values())
     import opdkit
-    from opdkit.trainer_state import save
+    from opdkit.persist.trainer_state import save
 
     gc.collect()
     before = _status_kib("VmRSS") * 1024
@@ -86,7 +86,7 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
     gib = 2**30
     print(json.dumps({
-        "code": "opdkit.trainer_state.save", "opdkit": str(Path(opdkit.__file__).parent), "layers": args.layers,
+        "code": "opdkit.persist.trainer_state.save", "opdkit": str(Path(opdkit.__file__).parent), "layers": args.layers,
         "params": n_params,
         "weights_gib": round(weights / gib, 3), "exp_avg_gib": round(moments["exp_avg"] / gib, 3),
         "exp_avg_sq_gib": round(moments["exp_avg_sq"] / gib, 3), "largest_group_gib": round(largest / gib, 3),

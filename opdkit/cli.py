@@ -104,7 +104,7 @@ def _on_gpu(cfg) -> bool:
 def _device_lock(cfg, shared: bool):
     """The GPU workload lock for this command (``_on_gpu``), else a no-op context. Training holds it
     shared, evaluation exclusively; a conflict raises ``DeviceBusy``."""
-    from opdkit.fsutil import DeviceLock
+    from opdkit.persist.fsutil import DeviceLock
 
     return DeviceLock(shared) if _on_gpu(cfg) else contextlib.nullcontext()
 
@@ -148,7 +148,7 @@ def _probe_lock(out: Path, what: str = "output directory") -> None:
     loaded). Creates and changes nothing; ``train`` takes the lock for real after validating."""
     import fcntl
 
-    from opdkit.fsutil import LOCK_NAME, LockHeld
+    from opdkit.persist.fsutil import LOCK_NAME, LockHeld
 
     try:
         fd = os.open(out / LOCK_NAME, os.O_RDONLY)
@@ -180,14 +180,14 @@ def cmd_train(args) -> int:
     if cfg.runtime.state_dir and os.environ.get("RANK", "0") == "0":
         _probe_lock(Path(cfg.runtime.state_dir), "trainer state directory")
     _quiet_datasets()
-    from opdkit.checkpoints import NonFiniteTensor, surviving_checkpoints_message
     from opdkit.deadline import started_at
-    from opdkit.fsutil import StorageError
     from opdkit.guards import NonFiniteError, OutOfMemory
     from opdkit.interrupt import stop_on_signals
-    from opdkit.publish import PublishError
+    from opdkit.persist.checkpoints import NonFiniteTensor, surviving_checkpoints_message
+    from opdkit.persist.fsutil import StorageError
+    from opdkit.persist.publish import PublishError
+    from opdkit.persist.trainer_state import find as find_state
     from opdkit.train import preflight, train
-    from opdkit.trainer_state import find as find_state
 
     if args.check:
         inputs = preflight(cfg, out)
@@ -267,7 +267,7 @@ def cmd_vocab_cut(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from opdkit.checkpoints import is_valid_checkpoint
+    from opdkit.persist.checkpoints import is_valid_checkpoint
 
     all_ok = True
     for d in args.dir:
@@ -427,22 +427,22 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from opdkit.data import DataError
     from opdkit.embedded import MissingAsset
     from opdkit.fixture.qwen_tokenizer import TokenizerSourceError
-    from opdkit.fsutil import LockHeld
     from opdkit.models import ModelError
+    from opdkit.persist.fsutil import LockHeld
     from opdkit.setup import RunError
 
     return LockHeld, ConfigError, DataError, ModelError, RunError, MissingAsset, TokenizerSourceError
 
 
 def _publish_error() -> type[BaseException]:
-    from opdkit.publish import PublishError  # imports torch: only when there is an error to match
+    from opdkit.persist.publish import PublishError  # imports torch: only when there is an error to match
 
     return PublishError
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch (libgomp) loads: before any import of it
-    from opdkit.fsutil import LockHeld
+    from opdkit.persist.fsutil import LockHeld
 
     args = build_parser().parse_args(argv)
     try:

@@ -303,7 +303,7 @@ class RuntimeConfig:
     # torchrun: replicate (a full teacher per rank) | fsdp (sharded like the student)
     teacher_sharding: str = "replicate"
     state_dir: str = ""  # where the trainer state (resume) lives; "" = OUT/state (run.sh: CKPT_DIR)
-    # The GPU workload lock (opdkit.fsutil.DeviceLock; its file: $OPDKIT_GPU_LOCK, else one per machine):
+    # The GPU workload lock (opdkit.persist.fsutil.DeviceLock; its file: $OPDKIT_GPU_LOCK, else one per machine):
     # training holds it shared, `opdkit eval` exclusively; a conflicting command exits 75.
     # auto: on CUDA devices | always (CPU runs too) | never
     device_lock: str = "auto"

@@ -15,7 +15,7 @@ every rank. Per step:
   numbers of micro-batches;
 - metrics are reduced over ranks; rank 0 alone writes them and publishes checkpoints (the other
   ranks take part in gathering the full weights); every rank writes its shards of the trainer
-  state (``opdkit.trainer_state``).
+  state (``opdkit.persist.trainer_state``).
 
 The student is sharded with FSDP2 (``fully_shard`` on each decoder layer, then on the root, which
 owns the embeddings, the final norm and the head). The teacher is replicated (inference only) or

@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 
-from opdkit.fsutil import LockHeld
+from opdkit.persist.fsutil import LockHeld
 
 
 class GpuInUse(LockHeld):

@@ -8,7 +8,7 @@ Output directory layout (the same for ``opdkit train --out DIR`` and run.sh's ``
     dvclive/ or tensorboard/          the same steps through the ``tracking`` logger (``opdkit.tracking``)
     state/trainer_state-<step>/       what resume needs (weights or adapter, optimizer, step, data
                                       position, RNG, elapsed wall time); streamed, atomic
-                                      (``opdkit.trainer_state``; in runtime.state_dir instead when
+                                      (``opdkit.persist.trainer_state``; in runtime.state_dir instead when
                                       it is set: run.sh's CKPT_DIR, with a lock of its own)
     run.json                          the latest start: running / completed / stopped (by a signal) /
                                       failed (+ reason, step; ``nonfinite`` / ``out_of_memory`` /
@@ -20,7 +20,7 @@ export every ``publish.every_steps`` and a trainer state every ``publish.state_e
 with each export), and at the end both, the checkpoint first. So a ``checkpoint-<step>`` may be
 newer than the newest state; every checkpoint comes from a state at or before its step by
 deterministic steps, and a start that resumes behind one replays those steps without exporting them
-(``opdkit.rundir``; an older export would make retention drop a newer one).
+(``opdkit.persist.rundir``; an older export would make retention drop a newer one).
 
 The end of the wall budget (``opdkit.deadline``): a step starts only if it and the final saves (their
 measured seconds, or before the first an estimate from their bytes and a write probe) end
@@ -78,15 +78,15 @@ from opdkit import (
     overlap,
     step as opd_step,
     tracking,
-    trainer_state,
 )
-from opdkit.checkpoints import list_checkpoints
 from opdkit.config import Config, to_dict
 from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
 from opdkit.engines.select import engine_name, make_engine
-from opdkit.fsutil import OutputLock, atomic_write_json
-from opdkit.publish import Publisher
-from opdkit.rundir import (
+from opdkit.persist import trainer_state
+from opdkit.persist.checkpoints import list_checkpoints
+from opdkit.persist.fsutil import OutputLock, atomic_write_json
+from opdkit.persist.publish import Publisher
+from opdkit.persist.rundir import (
     METRICS_FILE,
     RUN_FILE,
     Start,
@@ -97,9 +97,9 @@ from opdkit.rundir import (
     is_published,
     step_row,
 )
+from opdkit.persist.weights_io import export_dtype, parse_size
 from opdkit.schedules import lr_at, should_stop, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs
-from opdkit.weights_io import export_dtype, parse_size
 
 # --- publishing and stopping ------------------------------------------------------------------
 

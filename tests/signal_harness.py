@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from opdkit.checkpoints import list_checkpoints
+from opdkit.persist.checkpoints import list_checkpoints
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +157,7 @@ else:  # a fresh child: the command, then the interpreter's normal exit with mai
     sys.exit(opdkit.cli.main(job["argv"]))
 '''
 # (not pandas nor pyarrow, which the runs import too: importing them starts a thread)
-PRELOAD = ("opdkit.train", "opdkit.checkpoints", "opdkit.embedded", "opdkit.recipes",
+PRELOAD = ("opdkit.train", "opdkit.persist.checkpoints", "opdkit.embedded", "opdkit.recipes",
            "transformers.models.llama.modeling_llama", "transformers.models.auto.modeling_auto",
            "transformers.models.auto.tokenization_auto")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
+from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def test_validate_rejects_a_stub_with_the_reason(tmp_path):
 
 INJECT = textwrap.dedent("""
     import errno, sys
-    import opdkit.publish as p
+    import opdkit.persist.publish as p
     real, calls = p._write_safetensors, []
     def flaky(path, tensors):
         calls.append(path)

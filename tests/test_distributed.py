@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from opdkit import distributed, trainer_state
-from opdkit.checkpoints import validate_checkpoint
+from opdkit import distributed
 from opdkit.config import load_config
 from opdkit.embedded import asset
 from opdkit.engines.weights import export_state_dict
 from opdkit.models import load_model
+from opdkit.persist import trainer_state
+from opdkit.persist.checkpoints import validate_checkpoint
 from opdkit.scoring import unwrap
 from opdkit.setup import RunError, make_optimizer
 from procs import env as child_env

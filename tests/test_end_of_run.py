@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from opdkit import trainer_state
 from opdkit.embedded import asset
+from opdkit.persist import trainer_state
 from procs import env
 from signal_harness import REPO, OpdkitRunner, gone, leftovers, validate, wait_for, write_sitecustomize
 
@@ -32,7 +32,7 @@ TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.m
 SAVES = ["budget.max_steps=8", "publish.every_steps=2"]  # the signal arrives long before the step horizon
 FAULTS = {
     "slow_state": """
-        import opdkit.tensor_files as tf
+        import opdkit.persist.tensor_files as tf
         real_pwrite = tf._pwrite_all
         def slow_pwrite(*a, **k):  # each piece of the trainer state takes a while: a save of several seconds
             mark("state")
@@ -41,7 +41,7 @@ FAULTS = {
         tf._pwrite_all = slow_pwrite
     """,
     "slow_export": """
-        import opdkit.publish as pub
+        import opdkit.persist.publish as pub
         real_write = pub._write_safetensors
         def slow_write(path, tensors):  # the export's weights: 2 s before and 2 s after they are written
             mark("export")

@@ -25,16 +25,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from opdkit import trainer_state
-from opdkit.checkpoints import (
+from opdkit.embedded import asset
+from opdkit.persist import trainer_state
+from opdkit.persist.checkpoints import (
     InvalidCheckpoint,
     NonFiniteTensor,
     is_valid_checkpoint,
     list_checkpoints,
     validate_checkpoint,
 )
-from opdkit.embedded import asset
-from opdkit.publish import export_checkpoint
+from opdkit.persist.publish import export_checkpoint
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ INJECT = {
         o.score_batch = patched
     """,
     "erofs_publish": """
-        import errno, opdkit.publish as p
+        import errno, opdkit.persist.publish as p
         real = p._write_safetensors
         def patched(path, tensors):
             if WHEN(count()):

@@ -6,10 +6,11 @@ input (computed here by a plain HF forward of each unpadded sequence), and diffe
 import pytest
 import torch
 
-from opdkit import opd, step as opd_step, trainer_state
+from opdkit import opd, step as opd_step
 from opdkit.config import Config, replace
 from opdkit.engines.base import left_pad
 from opdkit.engines.hf import HFEngine
+from opdkit.persist import trainer_state
 from opdkit.setup import build_run, prepare_inputs
 from opdkit.train import train
 

@@ -30,16 +30,16 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from opdkit import fsutil, publish
-from opdkit.checkpoints import (
+from opdkit.persist import fsutil, publish
+from opdkit.persist.checkpoints import (
     InvalidCheckpoint,
     is_valid_checkpoint,
     list_checkpoints,
     surviving_checkpoints_message,
     validate_checkpoint,
 )
-from opdkit.fsutil import LockHeld, OutputLock, atomic_write_json, retry_io
-from opdkit.publish import Publisher, PublishError, export_checkpoint
+from opdkit.persist.fsutil import LockHeld, OutputLock, atomic_write_json, retry_io
+from opdkit.persist.publish import Publisher, PublishError, export_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = dict(retries=3, backoff_s=0.001)
@@ -356,7 +356,7 @@ def test_sharded_weights_validate_and_a_missing_shard_is_rejected(tmp_path, good
 def test_output_lock_held_by_another_process(tmp_path):
     out = tmp_path / "out"
     code = (
-        "import sys, time; from opdkit.fsutil import OutputLock; "
+        "import sys, time; from opdkit.persist.fsutil import OutputLock; "
         "OutputLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True,
@@ -383,7 +383,7 @@ EXPORT_LOOP = """
 import sys
 sys.path.insert(0, {tests!r})
 from test_publish import tiny_parts
-from opdkit.publish import export_checkpoint
+from opdkit.persist.publish import export_checkpoint
 parts = tiny_parts(tie=True)
 for step in range(1, 10_000):
     export_checkpoint(sys.argv[1], step, **parts, meta={{}}, keep=2, retries=0, backoff_s=0, log=lambda m: None)
@@ -426,7 +426,7 @@ def test_the_weights_are_hashed_while_written_and_check_hashes_verifies_them(tmp
     over several chunks; a changed byte is caught by validate_checkpoint(check_hashes=True)."""
     import hashlib
 
-    from opdkit import weights_io
+    from opdkit.persist import weights_io
     monkeypatch.setattr(weights_io, "HASH_CHUNK", 1024)  # the tiny model's weights span many chunks
     final = export(tmp_path / "ckpts", 1, tiny_parts(), log=lambda s: None)
     record = json.loads((final / "opdkit.json").read_text())["files"]["model.safetensors"]

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdkit import trainer_state
-from opdkit.checkpoints import list_checkpoints
+from opdkit.persist import trainer_state
+from opdkit.persist.checkpoints import list_checkpoints
 from procs import env
 from signal_harness import REPO, alive, descendants, still_alive, wait_for, write_sitecustomize
 
@@ -47,7 +47,7 @@ FAULTS = {
     """,
     "slow_state": """
         import time
-        import opdkit.tensor_files as tf
+        import opdkit.persist.tensor_files as tf
 
         real = tf._pwrite_all
 

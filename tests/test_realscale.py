@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.cli import main as opdkit_main
 from opdkit.fixture import CHAT_TEMPLATE
+from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
 from procs import env
 from qwen2_fixture import fixture_dir
 

@@ -221,7 +221,7 @@ def test_learning_curves_average_each_step_over_seeds(tmp_path):
 def test_training_seconds_come_from_the_checkpoints_and_a_wall_match_off_by_over_10pc_is_flagged(tmp_path):
     """An eval of a published checkpoint reads its opdkit.json's elapsed_s; a wall-matched arm that trained
     more than 10% longer or shorter than the baseline is flagged, one within 10% and a steps-matched one are not."""
-    from opdkit.checkpoints import MANIFEST
+    from opdkit.persist.checkpoints import MANIFEST
     from opdkit.studies.report import CHECKPOINT_META, WALL_MATCH_TOL
 
     assert CHECKPOINT_META == MANIFEST and WALL_MATCH_TOL == 0.10

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from opdkit import trainer_state
-from opdkit.checkpoints import is_valid_checkpoint, list_checkpoints
 from opdkit.embedded import asset
+from opdkit.persist import trainer_state
+from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
 from procs import env
 from qwen2_fixture import fixture_dir
 from test_recipes import OPSD_RELEASED, S1_BASELINE, S1_FORMAL, mismatches
@@ -86,7 +86,7 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
 
 def _hold_lock(out: Path) -> subprocess.Popen:
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom opdkit.fsutil import OutputLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom opdkit.persist.fsutil import OutputLock\n"
          "lock = OutputLock(sys.argv[1]).acquire()\nprint('locked', flush=True)\ntime.sleep(120)", str(out)],
         stdout=subprocess.PIPE, text=True, env=env())
     assert holder.stdout.readline().strip() == "locked"
@@ -298,7 +298,7 @@ def _release(holder: subprocess.Popen) -> None:
 
 def test_run_sh_exits_75_when_another_run_holds_ckpt_dir(tmp_path):
     ckpt = tmp_path / "ckpt"
-    holder = _hold("from opdkit.fsutil import OutputLock\nOutputLock(sys.argv[1]).acquire()", str(ckpt))
+    holder = _hold("from opdkit.persist.fsutil import OutputLock\nOutputLock(sys.argv[1]).acquire()", str(ckpt))
     try:
         proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(tmp_path / "out"), CKPT_DIR=str(ckpt), timeout=120)
     finally:
@@ -316,7 +316,7 @@ GPU = ["runtime.device_lock=always"]  # the lock applies on CUDA devices; `alway
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_run_sh_exits_75_while_an_evaluation_holds_the_gpu(tmp_path, nproc):
     lock = tmp_path / "gpu.lock"
-    holder = _hold("from opdkit.fsutil import DeviceLock\nDeviceLock(False, sys.argv[1]).acquire()", str(lock))
+    holder = _hold("from opdkit.persist.fsutil import DeviceLock\nDeviceLock(False, sys.argv[1]).acquire()", str(lock))
     try:
         proc = run_sh(tmp_path, *TINY, *GPU, "budget.max_steps=2", OUTPUT_DIR=str(tmp_path / "out"), NPROC=nproc,
                       OPDKIT_GPU_LOCK=str(lock), timeout=120)
@@ -337,7 +337,7 @@ def _eval(tmp_path, lock: Path, *extra: str) -> subprocess.CompletedProcess:
 
 def test_opdkit_eval_exits_75_while_training_holds_the_gpu_and_runs_once_it_is_released(tmp_path):
     lock = tmp_path / "gpu.lock"
-    holders = [_hold("from opdkit.fsutil import DeviceLock\nDeviceLock(True, sys.argv[1]).acquire()", str(lock))
+    holders = [_hold("from opdkit.persist.fsutil import DeviceLock\nDeviceLock(True, sys.argv[1]).acquire()", str(lock))
                for _ in range(2)]  # two trainings share the GPU
     try:
         proc = _eval(tmp_path, lock)

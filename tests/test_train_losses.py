@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from opdkit.checkpoints import validate_checkpoint
 from opdkit.config import Config, replace
 from opdkit.loss_table import LOSS_NAMES
+from opdkit.persist.checkpoints import validate_checkpoint
 from opdkit.train import train
 
 TINY = ("rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=40",

@@ -1,4 +1,4 @@
-"""The trainer state (opdkit.trainer_state): a saved and restored run is the run it was, bit for
+"""The trainer state (opdkit.persist.trainer_state): a saved and restored run is the run it was, bit for
 bit (weights, optimizer, EMA teacher, RNG), and continues identically; a failed write is retried
 or leaves the previous state as it was; an older version's single file is still read.
 
@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from opdkit import tensor_files, trainer_state
 from opdkit.config import load_config
-from opdkit.fsutil import StorageError
+from opdkit.persist import tensor_files, trainer_state
+from opdkit.persist.fsutil import StorageError
 from opdkit.scoring import unwrap
 from opdkit.setup import build_run, prepare_inputs
 from student_weights import trainable_state

@@ -24,8 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-from opdkit.checkpoints import list_checkpoints, step_of
 from opdkit.cli import main as opdkit_main
+from opdkit.persist.checkpoints import list_checkpoints, step_of
 from opdkit.studies.report import read_jsonl
 
 

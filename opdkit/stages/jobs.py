@@ -36,7 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opdkit.fsutil import atomic_write_json
+from opdkit.persist.fsutil import atomic_write_json
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # .../opdkit
 LEDGER_VERSION = 1

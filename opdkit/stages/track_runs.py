@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from opdkit.config import ConfigError, load_config as load_as_is
-from opdkit.fsutil import atomic_write_json, atomic_write_text
+from opdkit.persist.fsutil import atomic_write_json, atomic_write_text
 from opdkit.studies.report import pipeline_matrix
 from opdkit.tracking import DVCLIVE_DIR, DVCLIVE_METRICS, DVCLIVE_SUMMARY
 

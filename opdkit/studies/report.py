@@ -46,7 +46,7 @@ TAG_FIELDS = ("step", "match")  # the pipeline's tags of an arm's run, kept per 
 PATTERN_FIELDS = ("{arm}", "{seed}")
 RESERVED_ARMS = ("before", "teacher", "reference")  # the reference evals' tags and folder
 WALL_MATCH_TOL = 0.10  # a wall-matched arm's training seconds may differ from the baseline's by this share
-CHECKPOINT_META = "opdkit.json"  # a published checkpoint's record (opdkit.checkpoints.MANIFEST): step, elapsed_s
+CHECKPOINT_META = "opdkit.json"  # a published checkpoint's record (persist.checkpoints.MANIFEST): step, elapsed_s
 
 
 @dataclass(frozen=True)

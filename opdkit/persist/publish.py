@@ -1,6 +1,6 @@
 """Checkpoint export and retention.
 
-A checkpoint (its layout and what makes it valid: see ``opdkit.checkpoints``) is published
+A checkpoint (its layout and what makes it valid: see ``opdkit.persist.checkpoints``) is published
 atomically: written into ``ROOT/.tmp-checkpoint-<step>-<pid>``, fsynced, validated, then renamed
 into place, so a ``checkpoint-*`` dir is either complete or absent, even if the process is
 SIGKILLed. A whole attempt is retried on transient file-system errors (see
@@ -13,8 +13,8 @@ The weights are written in the export dtype (``export_dtype``: the source model'
 real checkpoints, unless ``publish.dtype`` says otherwise), split into shards of at most
 ``max_shard_size`` with a ``model.safetensors.index.json`` as ``save_pretrained`` does (the shard
 plan is huggingface_hub's ``split_torch_state_dict_into_shards``; the bytes are written by our
-own writer in ``opdkit.weights_io``, whose ``OSError`` keeps its errno for the retry decision). A tensor that is NaN or
-infinite after the cast is never written (``NonFiniteTensor``, before the disk is touched). A full
+own writer in ``opdkit.persist.weights_io``, whose ``OSError`` keeps its errno for the retry decision). A tensor
+that is NaN or infinite after the cast is never written (``NonFiniteTensor``, before the disk is touched). A full
 disk or read-only file system is not retried and says how much space the export needs.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from opdkit.checkpoints import (
+from opdkit.persist.checkpoints import (
     FORMAT,
     MANIFEST,
     WEIGHTS,
@@ -49,8 +49,8 @@ from opdkit.checkpoints import (
     surviving_checkpoints_message,
     validate_checkpoint,
 )
-from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, pid_alive, retry_io
-from opdkit.weights_io import (
+from opdkit.persist.fsutil import explain_storage_errors, fsync_dir, fsync_tree, pid_alive, retry_io
+from opdkit.persist.weights_io import (
     shard_plan,
     write_index,
     write_safetensors as _write_safetensors,  # a name tests patch to inject I/O faults

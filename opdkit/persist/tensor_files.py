@@ -21,7 +21,7 @@ file.
 sharded run) into a full tensor, so a state resumes under any number of ranks.
 
 ``_pwrite_all`` is the one place bytes reach the file system (tests patch it to inject I/O faults);
-its ``OSError`` keeps its errno, for the retry decision (``opdkit.fsutil``).
+its ``OSError`` keeps its errno, for the retry decision (``opdkit.persist.fsutil``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A checkpoint is an ordinary HF directory ``ROOT/checkpoint-<step>/`` (config.json,
 model.safetensors, tokenizer files, generation_config.json) plus ``opdkit.json`` (the exporter's
-``meta`` + step, format and every file's size and sha256). ``opdkit.publish`` writes them; this
+``meta`` + step, format and every file's size and sha256). ``opdkit.persist.publish`` writes them; this
 module validates and lists them (for the exporter itself, retention, resume, ``opdkit validate``
 and failure messages).
 
@@ -13,7 +13,7 @@ weights had been pruned yet looked valid. So the presence of the expected files 
 - config.json parses as an HF config;
 - ``opdkit.json``, where present, has our format and every file it lists has the recorded size
   (and, with ``check_hashes``, the recorded sha256: of the whole file, or for the weights the
-  ``chunked_sha256`` their writer computed, ``opdkit.weights_io``);
+  ``chunked_sha256`` their writer computed, ``opdkit.persist.weights_io``);
 - the weights (``model.safetensors``, or an index and every shard it names) have intact
   safetensors headers, each tensor's byte count fits its dtype and shape, and each file is exactly
   as long as its header says (not truncated); with an index, every shard holds exactly the tensors
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from opdkit.fsutil import is_transient
+from opdkit.persist.fsutil import is_transient
 
 FORMAT = 1
 MANIFEST = "opdkit.json"
@@ -243,8 +243,8 @@ def _check_manifest(path: Path, bad, check_hashes: bool) -> None:
 
 
 def _hash_matches(file: Path, record: dict) -> bool:
-    if "chunked_sha256" in record:  # the weights, hashed while they were written (opdkit.weights_io)
-        from opdkit.weights_io import chunked_sha256
+    if "chunked_sha256" in record:  # the weights, hashed while they were written (opdkit.persist.weights_io)
+        from opdkit.persist.weights_io import chunked_sha256
 
         return chunked_sha256(file) == record["chunked_sha256"]
     return file_record(file)["sha256"] == record["sha256"]

@@ -1,7 +1,7 @@
 """Writing model weights as safetensors: the export dtype, the shard plan, the files and the index.
 
 Our own writer (plain Python I/O) rather than ``safetensors.torch.save_file``: a failing file
-system then raises ``OSError`` with its errno, which the retry decision in ``opdkit.fsutil``
+system then raises ``OSError`` with its errno, which the retry decision in ``opdkit.persist.fsutil``
 needs. The shard plan and file names are huggingface_hub's (``split_torch_state_dict_into_shards``,
 what ``save_pretrained`` uses), so a sharded export loads with ``from_pretrained`` as any other.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from opdkit.checkpoints import SAFETENSORS_DTYPES
+from opdkit.persist.checkpoints import SAFETENSORS_DTYPES
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

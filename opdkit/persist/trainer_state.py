@@ -7,7 +7,7 @@ Layout, under a run's output directory (or ``runtime.state_dir``, run.sh's CKPT_
                                     and data fingerprint, the state dicts' values that are not tensors
                                     (the optimizer's param groups), the number of ranks (small; ``peek``
                                     reads only this)
-        rank<r>.bin, rank<r>.json   rank r's tensors, raw bytes (``opdkit.tensor_files``), and where each
+        rank<r>.bin, rank<r>.json   rank r's tensors, raw bytes (``opdkit.persist.tensor_files``), and where each
                                     lies: ``model`` (the trainable weights: all of them, or the LoRA adapter
                                     alone), ``optimizer`` (its state by parameter name), ``ema`` (an EMA
                                     teacher's weights), each piece with its global shape and offset
@@ -44,9 +44,10 @@ from pathlib import Path
 
 import torch
 
-from opdkit import distributed, tensor_files
+from opdkit import distributed
 from opdkit.config import to_dict
-from opdkit.fsutil import explain_storage_errors, fsync_dir, fsync_tree, pid_alive, retry_io
+from opdkit.persist import tensor_files
+from opdkit.persist.fsutil import explain_storage_errors, fsync_dir, fsync_tree, pid_alive, retry_io
 from opdkit.setup import Run, RunError, load_trainable_state
 
 STATE_DIR = "state"
