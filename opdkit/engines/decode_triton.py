@@ -174,15 +174,22 @@ def add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, N, eps, stride_h, stride_r
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     m = i < N
-    h = tl.load(h_ptr + b * stride_h + i, mask=m, other=0.0)
     r = tl.load(r_ptr + b * stride_r + i, mask=m, other=0.0)
+    _add_rms_norm_row(h_ptr + b * stride_h, r, w_ptr, out_ptr + b * N, i, m, N, eps)
+
+
+@triton.jit
+def _add_rms_norm_row(h_row, r, w_ptr, out_row, i, m, N, eps):
+    """One row of ``add_rms_norm``: h (at ``h_row``) += r in h's dtype (stored in place), then RMSNorm(h) * w
+    into ``out_row``, each rounded as HF's modules round them (``add_rms_norm_ref``)."""
+    h = tl.load(h_row + i, mask=m, other=0.0)
     s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # the residual add, rounded as the module's
-    tl.store(h_ptr + b * stride_h + i, s, mask=m)
+    tl.store(h_row + i, s, mask=m)
     x = s.to(tl.float32)
     var = tl.sum(x * x, 0) / N
-    y = (x * (1.0 / tl.sqrt_rn(var + eps))).to(out_ptr.dtype.element_ty)
+    y = (x * (1.0 / tl.sqrt_rn(var + eps))).to(out_row.dtype.element_ty)
     w = tl.load(w_ptr + i, mask=m, other=0.0)
-    tl.store(out_ptr + b * N + i, (y.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_row + i, (y.to(tl.float32) * w.to(tl.float32)).to(out_row.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -277,12 +284,5 @@ def gemv_reduce_add_norm_kernel(part_ptr, b_ptr, h_ptr, w_ptr, out_ptr, N, eps, 
         acc += tl.load(part_ptr + (s * BP + r) * N + n, mask=m, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=m, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + r * stride_h + n, mask=m, other=0.0)
-    y = acc.to(h.dtype)
-    sm = (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype)  # the residual add, rounded as the module's
-    tl.store(h_ptr + r * stride_h + n, sm, mask=m)
-    x = sm.to(tl.float32)
-    var = tl.sum(x * x, 0) / N
-    yn = (x * (1.0 / tl.sqrt_rn(var + eps))).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + n, mask=m, other=0.0)
-    tl.store(out_ptr + r * N + n, (yn.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=m)
+    y = acc.to(h_ptr.dtype.element_ty)  # the projection's output, rounded
+    _add_rms_norm_row(h_ptr + r * stride_h, y, w_ptr, out_ptr + r * N, n, m, N, eps)
