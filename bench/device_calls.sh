@@ -40,6 +40,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 if [ "$(df --output=avail -k /dev/shm | tail -1)" -gt 60000000 ]; then R=/dev/shm/lane; else R=/tmp/lane; fi
 lim() { local s=$1; shift; timeout -k 10 "$s" "$@"; echo "$* -> rc=$? ($(date -u +%T))" >> "$OUT/calls.txt"; }
+# the decoder's GPU tests in SECONDS; the static decoder at 1,024 (digest, steps/s, profile) of the kit before
+# (.speed/head, SPEED_KIT) and after
+decoder_tests() { lim "$1" python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
+  tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1; }
+static_before_after() {
+  for kit in .speed/head ""; do
+    lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+      --impls new >> "$OUT/parts.txt" 2>&1
+  done
+}
 [ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ "$PHASE" = h1 ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
 case $PHASE in
   copy) ;;
@@ -53,18 +63,13 @@ case $PHASE in
   h2)
     lim 90 python3 bench/attn_bench.py --out "$OUT" --before .speed/head/opdkit/engines/decode_triton.py \
       --budget-s 70 > "$OUT/attn_log.txt" 2>&1
-    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
-      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
-    for kit in .speed/head ""; do
-      lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
-        --impls new >> "$OUT/parts.txt" 2>&1
-    done
+    decoder_tests 170
+    static_before_after
     lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name s1_7168 --recipe s1 --steps 3 \
       -S rollout.max_new_tokens=7168 >> "$OUT/parts.txt" 2>&1
     ;;
   h3)
-    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
-      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    decoder_tests 170
     lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
     lim 60 python3 bench/attn_bench.py --out "$OUT" --before .speed/head/opdkit/engines/decode_triton.py \
       --budget-s 40 > "$OUT/attn_log.txt" 2>&1
@@ -79,12 +84,10 @@ case $PHASE in
   g)
     lim 140 python3 bench/gemv_bench.py --out "$OUT" --budget-s 110 > "$OUT/gemv_log.txt" 2>&1
     lim 150 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
-    lim 180 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
-      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    decoder_tests 180
     ;;
   g3a)
-    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
-      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
+    decoder_tests 170
     lim 60 python3 bench/gemv_bench.py --out "$OUT" --quick > "$OUT/gemv_log.txt" 2>&1
     lim 120 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
     ;;
@@ -99,12 +102,8 @@ case $PHASE in
     done
     ;;
   f1)
-    lim 170 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
-      tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1
-    for kit in .speed/head ""; do
-      lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
-        --impls new >> "$OUT/parts.txt" 2>&1
-    done
+    decoder_tests 170
+    static_before_after
     lim 60 python3 bench/s1_speed.py matmul --out "$OUT" >> "$OUT/parts.txt" 2>&1
     for kit in .speed/head ""; do
       lim 90 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_1024${kit:+_before}" --recipe s1 \
