@@ -25,6 +25,8 @@
 #                                tokens (samples' digest, steps/s, profile); S1 at 7,168 (3 steps) (~7 min)
 #   h3: carry .lane .speed      h2's tests, the static decoder at 1,024 (digest), bench/attn_bench.py (~5 min)
 #   h4: carry .lane             S1 at 1,024 and 3,072 new tokens, 4 steps each (~3 min)
+#   p1: carry .lane .speed .v0  the decoder's GPU tests; the static decoder at 1,024 new tokens: the kit before
+#                                (.speed/head), this kit without and with programmatic dependent launch (~5 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -73,6 +75,13 @@ case $PHASE in
     lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
     lim 60 python3 bench/attn_bench.py --out "$OUT" --before .speed/head/opdkit/engines/decode_triton.py \
       --budget-s 40 > "$OUT/attn_log.txt" 2>&1
+    ;;
+  p1)
+    decoder_tests 170
+    lim 100 env SPEED_KIT=.speed/head python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+      --impls new >> "$OUT/parts.txt" 2>&1
+    lim 150 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls nopdl,new \
+      >> "$OUT/parts.txt" 2>&1
     ;;
   h4)
     for T in 1024 3072; do

@@ -148,8 +148,8 @@ def static(args) -> None:
     replayed decode steps/s, and where a replayed step's device time goes; the same for main's
     version of the module (``--static-main``, the 'before') when given."""
     asked = args.impls.split(",")
-    if set(asked) - {"cublas", "new"}:
-        raise SystemExit(f"--impls {args.impls}: expected names among cublas,new")
+    if set(asked) - {"cublas", "new", "nopdl"}:
+        raise SystemExit(f"--impls {args.impls}: expected names among cublas,new,nopdl")
     from transformers import AutoModelForCausalLM
 
     from opdkit.engines import static as new
@@ -166,7 +166,8 @@ def static(args) -> None:
     seeds = opd.step_seeds(0, 0, len(rows))
     T = args.max_new_tokens or (8 if args.tiny else 2048)
     bw = copy_bandwidth(device)
-    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {})}  # the projections through cuBLAS / the GEMV kernels
+    # the projections through cuBLAS / the GEMV kernels (/ the same without programmatic dependent launch)
+    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {}), "nopdl": (new, dict(pdl=False))}
     impls = {k: impls[k] for k in asked}
     if args.static_main and Path(args.static_main).is_file():
         impls = {"main": (_load_static(args.static_main), {}), **impls}
@@ -190,7 +191,7 @@ def static(args) -> None:
                 out_ids, out_logp = dec.generate(ids, mask, seeds, max_new_tokens=T, **kw)
                 wall = sync(device) - t0
             digest = hashlib.sha256(out_ids.cpu().numpy().tobytes() + out_logp.cpu().numpy().tobytes()).hexdigest()
-            res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall,
+            res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall, pdl=dec.stats.get("pdl"),
                        samples_sha256=digest[:16])  # the same 16 hex digits: the same ids and log-probs, bit for bit
             Tp = min(T, 384)  # 3. where a replayed step's device time goes (capture steps included: 1 per bucket)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
@@ -740,7 +741,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new")
+    ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new,nopdl")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")
     ap.add_argument("--async-scheduling", type=int, default=None, help="vllm-raw: 0 / 1 (default: vLLM's choice)")

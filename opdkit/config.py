@@ -168,6 +168,9 @@ class RolloutConfig:
     # CUDA, static decoder with Triton: its layers' projections at <= 16 rows through the kit's GEMV kernels
     # (engines.decode_kernels.gemv_launch: weight-streaming, deterministic split-K); false: cuBLAS
     decode_gemv: bool = True
+    # CUDA, static decoder with Triton, Hopper or later: its kernels launched with programmatic dependent launch
+    # (each launch overlaps the kernel before; no result changes; engines.decode_kernels.pdl_available); false: not
+    decode_pdl: bool = True
     batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
     max_prompt_tokens: int = 2048  # vllm only: its max_model_len is this + max_new_tokens

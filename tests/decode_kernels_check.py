@@ -87,6 +87,7 @@ def decoder() -> None:
 
     from opdkit.embedded.tokenizer import build_tokenizer
     from opdkit.engines.base import left_pad
+    from opdkit.engines.decode_kernels import pdl_available as dk_pdl
     from opdkit.engines.hf import HFEngine
     from opdkit.engines.sampling import sample_seed
     from opdkit.engines.static import StaticDecoder
@@ -117,6 +118,8 @@ def decoder() -> None:
             err = float((logp[:, :W][m] - ro.sampling_logp_B_T[m]).abs().max()) if same else float("nan")
             check(f"decoder {name} call {call}: tokens as generate, log-probs", same and err < 1e-5,
                   f"max err {err:.2e}")
+        check(f"decoder {name}: launched one kernel after the other (no programmatic dependent launch off CUDA)",
+              dec.stats["pdl"] is False and not dk_pdl("cpu"))
 
 
 if __name__ == "__main__":

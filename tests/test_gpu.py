@@ -43,6 +43,44 @@ def test_graph_replay_equals_eager_decoding(tok, arch):
         assert torch.equal(a2_ids, b_ids) and torch.equal(a2_logp, b_logp)
 
 
+def test_programmatic_dependent_launch_changes_no_sample(tok):
+    """The decoder's kernels launched with programmatic dependent launch (Hopper: each launch overlaps the kernel
+    before it) against the same kernels launched one after the other: the same ids and log-probs, bit for bit, from
+    the CUDA graphs and eagerly (a kernel reading its inputs before the one before had written them would differ)."""
+    from opdkit.engines import decode_kernels as dk
+    from opdkit.engines.base import left_pad
+    from opdkit.engines.static import StaticDecoder
+
+    if not dk.pdl_available("cuda"):
+        pytest.skip(f"no programmatic dependent launch here (capability {torch.cuda.get_device_capability()}, "
+                    "or a Triton without launch_pdl / gdc_wait)")
+    model = _small(len(tok), "qwen2", layers=4, dtype=torch.bfloat16)
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."] * 2]
+    ids, mask = left_pad(prompts, tok.pad_token_id, "cuda")
+    kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=400, eos_ids=[-1])
+    runs = {}
+    for pdl in (True, False):
+        for graphs in (True, False):
+            dec = StaticDecoder(model, pdl=pdl, use_graphs=graphs)
+            runs[pdl, graphs] = dec.generate(ids, mask, list(range(6)), **kw)
+            assert dec.stats["pdl"] is pdl and dec.stats["kernels"]
+    want_ids, want_logp = runs[False, False]
+    for key, (got_ids, got_logp) in runs.items():
+        assert torch.equal(got_ids, want_ids) and torch.equal(got_logp, want_logp), key
+    torch.manual_seed(2)  # the projections at the 1.5B shape, the first block of weights loaded before the wait
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    for n_out, n_in in ((2048, 1536), (8960, 1536), (1536, 8960)):
+        x, h = torch.randn(8, n_in, **bf), torch.randn(8, 1536, **bf)
+        w, b = torch.randn(2 * n_out, n_in, **bf) / n_in ** 0.5, torch.randn(2 * n_out, **bf)
+        nw = torch.ones(1536, **bf)
+        assert torch.equal(dk.linear(x, w[:n_out], b[:n_out], pdl=True), dk.linear(x, w[:n_out], b[:n_out]))
+        assert torch.equal(dk.linear_silu(x, w, b, pdl=True), dk.linear_silu(x, w, b))
+        if n_out == 1536:
+            got = dk.linear_add_rms_norm(x, w[:n_out], None, h.clone(), nw, 1e-6, pdl=True)
+            want = dk.linear_add_rms_norm(x, w[:n_out], None, h.clone(), nw, 1e-6)
+            assert all(torch.equal(g, e) for g, e in zip(got, want))
+
+
 def test_fused_graph_decoding_matches_the_modules_forward_in_fp32(tok):
     from opdkit.engines.base import left_pad
     from opdkit.engines.static import StaticDecoder

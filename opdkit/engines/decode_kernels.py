@@ -155,6 +155,28 @@ def _kernels() -> dict:
     return _K
 
 
+def pdl_available(device) -> bool:
+    """Programmatic dependent launch can be used on ``device``: a CUDA device of compute capability 9 or later
+    (Hopper), a Triton that launches with ``launch_pdl`` and has ``gdc_wait``, not Triton's interpreter. With it
+    each kernel's launch overlaps the kernel before it (``decode_triton._pdl_enter``); no result changes."""
+    device = torch.device(device)
+    if device.type != "cuda" or not available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(cuda, "gdc_wait")
+
+
+def _pdl(pdl: bool) -> dict:
+    """The launch arguments of a kernel with (``pdl``) or without programmatic dependent launch."""
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -164,14 +186,15 @@ class AttentionPlan:
     its preallocated float32 partials, so a CUDA graph can replay it: NSPLIT splits of CHUNK slots
     (about 512 programs in all), each program reading only the visible slots of its split; ``num_warps`` /
     ``num_stages``: the partials kernel's launch (``bench/attn_bench.py`` measures them; on an H200 the stages
-    changed no bit, 8 warps did at 7,408 slots; the defaults are Triton's, 4 and 3)."""
+    changed no bit, 8 warps did at 7,408 slots; the defaults are Triton's, 4 and 3); ``pdl``: launched with
+    programmatic dependent launch (``pdl_available``)."""
 
     BLOCK_N = 64
 
     def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 512, num_warps: int = 4,
-                 num_stages: int = 3):
+                 num_stages: int = 3, pdl: bool = False):
         self.B, self.H, self.K, self.D, self.L = B, H, K, D, L
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.pdl = num_warps, num_stages, pdl
         splits = max(1, min(64, _next_pow2(-(-programs // (B * K)))))  # programs / (B K) splits, at most 64
         per_split = -(-L // splits)
         self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N  # slots per split, whole blocks
@@ -193,47 +216,49 @@ def rope_attention(qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_
         qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc,
         plan.m, plan.l, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G, GP=max(16, _next_pow2(G)), D=D,
         CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, IEEE=qkv_B_X.dtype == torch.float32,
-        STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan.num_warps, num_stages=plan.num_stages)
+        STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **_pdl(plan.pdl))
     out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
     k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
-                               D=D)
+                               D=D, **_pdl(plan.pdl))
     return out_B_H_D
 
 
-def rms_norm(x_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     k = _kernels()
     B, N = x_B_H.shape
     out_B_H = torch.empty((B, N), dtype=x_B_H.dtype, device=x_B_H.device)
-    k["rms_norm"][(B,)](x_B_H, weight_H, out_B_H, N, eps, x_B_H.stride(0), BLOCK=_next_pow2(N))
+    k["rms_norm"][(B,)](x_B_H, weight_H, out_B_H, N, eps, x_B_H.stride(0), BLOCK=_next_pow2(N), **_pdl(pdl))
     return out_B_H
 
 
-def add_rms_norm(h_B_H: torch.Tensor, r_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float):
+def add_rms_norm(h_B_H: torch.Tensor, r_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float, pdl: bool = False):
     """``add_rms_norm_ref`` as one kernel (``h_B_H`` updated in place)."""
     k = _kernels()
     B, N = h_B_H.shape
     out_B_H = torch.empty((B, N), dtype=h_B_H.dtype, device=h_B_H.device)
     k["add_rms_norm"][(B,)](h_B_H, r_B_H, weight_H, out_B_H, N, eps, h_B_H.stride(0), r_B_H.stride(0),
-                            BLOCK=_next_pow2(N))
+                            BLOCK=_next_pow2(N), **_pdl(pdl))
     return h_B_H, out_B_H
 
 
-def silu_mul(gu_B_X: torch.Tensor) -> torch.Tensor:
+def silu_mul(gu_B_X: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     k = _kernels()
     B, inter = gu_B_X.shape[0], gu_B_X.shape[1] // 2
     out_B_I = torch.empty((B, inter), dtype=gu_B_X.dtype, device=gu_B_X.device)
     BLOCK = 1024
-    k["silu_mul"][(B, -(-inter // BLOCK))](gu_B_X, out_B_I, inter, gu_B_X.stride(0), BLOCK=BLOCK)
+    k["silu_mul"][(B, -(-inter // BLOCK))](gu_B_X, out_B_I, inter, gu_B_X.stride(0), BLOCK=BLOCK, **_pdl(pdl))
     return out_B_I
 
 
 class GumbelPlan:
-    """Preallocated per-block maxima for ``gumbel_argmax`` over V ids in blocks of BLOCK."""
+    """Preallocated per-block maxima for ``gumbel_argmax`` over V ids in blocks of BLOCK; ``pdl`` as in
+    ``AttentionPlan``."""
 
     BLOCK = 4096
 
-    def __init__(self, B: int, n_vocab: int, temperature: float, device):
-        self.n_vocab, self.temperature = n_vocab, float(temperature)
+    def __init__(self, B: int, n_vocab: int, temperature: float, device, pdl: bool = False):
+        self.n_vocab, self.temperature, self.pdl = n_vocab, float(temperature), pdl
         self.nblk = -(-n_vocab // self.BLOCK)
         self.val = torch.empty((B, self.nblk), dtype=torch.float64, device=device)
         self.idx = torch.empty((B, self.nblk), dtype=torch.int64, device=device)
@@ -246,7 +271,8 @@ def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
     k = _kernels()
     B, temperature = raw_B_V.shape[0], plan.temperature
     k["gumbel"][(B, plan.nblk)](raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.n_vocab,
-                                raw_B_V.stride(0), NBLK=plan.nblk, BLOCK=plan.BLOCK, TEMPERED=temperature != 1.0)
+                                raw_B_V.stride(0), NBLK=plan.nblk, BLOCK=plan.BLOCK, TEMPERED=temperature != 1.0,
+                                **_pdl(plan.pdl))
     best_B = plan.val.argmax(-1, keepdim=True)
     return plan.idx.gather(1, best_B)[:, 0]
 
@@ -271,12 +297,13 @@ def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, split, 4, 4
 
 
-def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None):
+def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None, pdl: bool = False):
     """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
     rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
     fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``). ``add_norm``
     = (h (B, N), norm weight (N,), eps): ``add_rms_norm`` of h and the projection follows (h updated in place;
-    returns (h, normed)), its sum of the partials in the same kernel when the projection is split."""
+    returns (h, normed)), its sum of the partials in the same kernel when the projection is split; ``pdl``: launched
+    with programmatic dependent launch (``pdl_available``)."""
     k = _kernels()
     B, KD = x_B_K.shape
     if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
@@ -293,35 +320,36 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     ieee = x_B_K.dtype == torch.float32
     k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
                     K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
-                    SILU=silu, IEEE=ieee, num_warps=warps, num_stages=stages)
+                    SILU=silu, IEEE=ieee, num_warps=warps, num_stages=stages, **_pdl(pdl))
     if add_norm is not None and split > 1:  # the partials' sum, the residual add and the norm: one kernel
         h_B_N, weight_N, eps = add_norm
         if silu or h_B_N.stride(1) != 1:
             raise ValueError("gemv add_norm: a plain projection and a unit-stride residual expected")
         k["gemv_reduce_add_norm"][(B,)](part, bias, h_B_N, weight_N, out_B_N, N, eps, h_B_N.stride(0), BP=BP,
-                                        BLOCK=_next_pow2(N), SPLIT=split, HAS_BIAS=b_X is not None)
+                                        BLOCK=_next_pow2(N), SPLIT=split, HAS_BIAS=b_X is not None,
+                                        **_pdl(pdl))
         return h_B_N, out_B_N
     if split > 1:
         k["gemv_reduce"][(-(-N // 64),)](part, bias, out_B_N, B, N, BP=BP, BLOCK_N=64, SPLIT=split,
-                                         HAS_BIAS=b_X is not None, SILU=silu, num_warps=4)
-    return out_B_N if add_norm is None else add_rms_norm(add_norm[0], out_B_N, add_norm[1], add_norm[2])
+                                         HAS_BIAS=b_X is not None, SILU=silu, num_warps=4, **_pdl(pdl))
+    return out_B_N if add_norm is None else add_rms_norm(add_norm[0], out_B_N, add_norm[1], add_norm[2], pdl)
 
 
-def linear(x_B_K, w_N_K, b_N, config=None) -> torch.Tensor:
+def linear(x_B_K, w_N_K, b_N, config=None, pdl: bool = False) -> torch.Tensor:
     """``linear_ref`` as ``gemv_launch``'s kernel(s)."""
-    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config)
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, pdl=pdl)
 
 
-def linear_silu(x_B_K, w_2I_K, b_2I, config=None) -> torch.Tensor:
+def linear_silu(x_B_K, w_2I_K, b_2I, config=None, pdl: bool = False) -> torch.Tensor:
     """``linear_silu_ref`` as ``gemv_launch``'s kernel(s): the gate/up projection and silu * up in one pass."""
-    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config)
+    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config, pdl=pdl)
 
 
-def linear_add_rms_norm(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float, config=None):
+def linear_add_rms_norm(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float, config=None, pdl: bool = False):
     """``add_rms_norm_ref(h, linear_ref(x, w, b), weight, eps)`` as ``gemv_launch``'s kernels: (h, normed), h
     updated in place. Split over its inputs: 2 kernels (the projection's partials; their sum, the add and the
     norm), else 2 (the projection; ``add_rms_norm``)."""
-    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, add_norm=(h_B_N, weight_N, eps))
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, add_norm=(h_B_N, weight_N, eps), pdl=pdl)
 
 
 def linear_add_rms_norm_ref(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float):

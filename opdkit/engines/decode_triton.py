@@ -6,6 +6,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper and later; the kernel launched with ``launch_pdl``): wait until every
+    write of the kernel before is visible, then let the kernel after launch (its programs wait likewise before they
+    read anything), so its launch overlaps this kernel's work. Every kernel here calls it before its first store and
+    before it loads anything an earlier kernel of the step writes (the GEMV loads a first block of weights before),
+    so the results are those of the kernels run one after the other. A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _rotate(x, partner, cos, sin, d, half: tl.constexpr):
     """HF's ``x * cos + rotate_half(x) * sin`` in float32 (``partner``: x at d + D/2 mod D), as ``rotate`` does."""
     rot = tl.where(d < half, -partner, partner)
@@ -43,11 +55,12 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
                              m_ptr, l_ptr, scale, stride_qkv, stride_cb, stride_ck, stride_cl,
                              H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                              CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                             IEEE: tl.constexpr, STATIC_LOOP: tl.constexpr):
+                             IEEE: tl.constexpr, STATIC_LOOP: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kh, s): the G query heads of K/V head kh of row b rotated at the row's position (from the raw
     q/k/v projection), the split holding the new token's slot (end - 1) writing its rotated k and its v into the
     caches, then flash-decoding partials over the visible slots of split s (a split with none writes m = -inf and
     l = 0 only: ``attn_reduce_kernel`` gives it weight 0 without reading its partials)."""
+    _pdl_enter(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
@@ -104,7 +117,8 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
 
 @triton.jit
 def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
-                       D: tl.constexpr):
+                       D: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     bh = tl.program_id(0)  # b * H + h
     s = tl.arange(0, NSP)
     d = tl.arange(0, D)
@@ -119,7 +133,8 @@ def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP
     tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
 
 @triton.jit
-def silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, BLOCK: tl.constexpr):
+def silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     b = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = i < inter
@@ -136,7 +151,8 @@ def _mix64(z):  # engines.sampling._mix64 on uint64 (logical shifts, products mo
 
 @triton.jit
 def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, n_vocab, stride_raw,
-                  NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr):
+                  NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     v = j * BLOCK + tl.arange(0, BLOCK)
@@ -158,7 +174,8 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, n_vocab,
 
 
 @triton.jit
-def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, BLOCK: tl.constexpr):
+def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     m = i < N
@@ -170,7 +187,9 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, BLOCK: tl.constexpr
 
 
 @triton.jit
-def add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, N, eps, stride_h, stride_r, BLOCK: tl.constexpr):
+def add_rms_norm_kernel(h_ptr, r_ptr, w_ptr, out_ptr, N, eps, stride_h, stride_r, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    _pdl_enter(PDL)
     b = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     m = i < N
@@ -211,37 +230,69 @@ def _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS: tl.constexpr, SI
 
 
 @triton.jit
+def _gemv_weights(w_ptr, n, k, N, nmask, kmask, stride_w, SILU: tl.constexpr):
+    """One block of the GEMV's weights: rows ``n`` at inputs ``k`` (BLOCK_N, BLOCK_K), and under SILU the up rows
+    n + N (else the same block again, unused)."""
+    wmask = nmask[:, None] & kmask[None, :]
+    w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0)
+    wu = w
+    if SILU:
+        wu = tl.load(w_ptr + (n[:, None] + N) * stride_w + k[None, :], mask=wmask, other=0.0)
+    return w, wu
+
+
+@triton.jit
+def _gemv_block(acc, acc_u, x, w, wu, SILU: tl.constexpr, IEEE: tl.constexpr):
+    """acc (BP, BLOCK_N) += x (BP, BLOCK_K) @ w^T, and acc_u += x @ wu^T under SILU."""
+    if IEEE:
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        acc += tl.dot(x, tl.trans(w))
+    if SILU:
+        if IEEE:
+            acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
+        else:
+            acc_u += tl.dot(x, tl.trans(wu))
+    return acc, acc_u
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stride_w,
                 K_PER: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr):
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
+                PDL: tl.constexpr):
     """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
     slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
-    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up."""
+    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. Under PDL the first
+    block of weights is loaded before ``_pdl_enter`` (no kernel of the decode step writes a weight), so it streams
+    while the kernel before finishes, and the loop takes the other blocks; the blocks are summed in the same order
+    either way. Without PDL one loop takes every block: with the first apart, a decode step of the 1.5B shape
+    took ~4% longer there (H200, 2026-12-03, BENCHMARKS.md)."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.arange(0, BP)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = r < B
     nmask = n < N
+    k_lo = s * K_PER  # K_PER: the inputs of one split, whole blocks
     acc = tl.zeros([BP, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BP, BLOCK_N], tl.float32)
-    k_lo = s * K_PER
-    for i in range(0, K_PER // BLOCK_K):  # K_PER: the inputs of one split, whole blocks
+    if PDL:
+        k = k_lo + tl.arange(0, BLOCK_K)
+        kmask = k < KD
+        w, wu = _gemv_weights(w_ptr, n, k, N, nmask, kmask, stride_w, SILU)
+        _pdl_enter(PDL)  # x: the kernel before's output
+        x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc, acc_u = _gemv_block(acc, acc_u, x, w, wu, SILU, IEEE)
+        first: tl.constexpr = 1
+    else:
+        first: tl.constexpr = 0
+    for i in range(first, K_PER // BLOCK_K):
         k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < KD
         x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_ptr + n[:, None] * stride_w + k[None, :], mask=wmask, other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-        if SILU:
-            wu = tl.load(w_ptr + (n[:, None] + N) * stride_w + k[None, :], mask=wmask, other=0.0)
-            if IEEE:
-                acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
-            else:
-                acc_u += tl.dot(x, tl.trans(wu))
+        w, wu = _gemv_weights(w_ptr, n, k, N, nmask, kmask, stride_w, SILU)
+        acc, acc_u = _gemv_block(acc, acc_u, x, w, wu, SILU, IEEE)
     if SPLIT == 1:
         _gemv_out(acc, acc_u, b_ptr, out_ptr, r, n, B, N, HAS_BIAS, SILU)
     else:
@@ -254,8 +305,9 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stri
 
 @triton.jit
 def gemv_reduce_kernel(part_ptr, b_ptr, out_ptr, B, N, BP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
     """The sum of ``gemv_kernel``'s SPLIT partials, in split order (deterministic), and its epilogue."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)
     r = tl.arange(0, BP)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,9 +325,10 @@ def gemv_reduce_kernel(part_ptr, b_ptr, out_ptr, B, N, BP: tl.constexpr, BLOCK_N
 
 @triton.jit
 def gemv_reduce_add_norm_kernel(part_ptr, b_ptr, h_ptr, w_ptr, out_ptr, N, eps, stride_h, BP: tl.constexpr,
-                                BLOCK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                                BLOCK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """Row r: ``gemv_reduce_kernel``'s sum of the SPLIT partials (split order) + bias, rounded (the projection's
     output), then ``add_rms_norm_kernel``: h += it (in place), out = RMSNorm(h) * w, each rounded as there."""
+    _pdl_enter(PDL)
     r = tl.program_id(0)
     n = tl.arange(0, BLOCK)
     m = n < N

@@ -24,7 +24,10 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   (``gemv`` / ``rollout.decode_gemv``; else cuBLAS and a separate silu * up; the norms stay their own
   kernels: folded into the projections, each program re-reading the rows before streaming its weights,
   the step measured 9% slower on an H200); sampling at top-p 1 is
-  one hashing Gumbel-argmax kernel plus the log-softmax of the sampled token.
+  one hashing Gumbel-argmax kernel plus the log-softmax of the sampled token. On Hopper and later the
+  kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
+  launch overlaps the kernel before it, and every kernel waits for that one's writes before its first load,
+  so no result changes (``pdl=False`` launches them one after the other).
 
 Other architectures (e.g. Gemma's norms) decode through the modules' own forward with an HF
 ``StaticCache``, one CUDA graph per bucket of cache length (``_ModuleDecoder``).
@@ -195,10 +198,11 @@ class _Session:
         self.out_logp_B_T = torch.zeros((B, T + S), dtype=torch.float32, device=dev)
         self.kernels = dec.kernels
         self.gemv = dec.kernels and dec.gemv and B <= dk.GEMV_MAX_ROWS
+        self.pdl = dec.kernels and dec.pdl  # each kernel's launch overlaps the one before (no result changes)
         if dec.kernels:
-            self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev)
+            self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev, pdl=self.pdl)
             fast_sampling = temperature > 0 and top_p >= 1.0
-            self.gumbel_plan = dk.GumbelPlan(B, dec.vocab, temperature, dev) if fast_sampling else None
+            self.gumbel_plan = dk.GumbelPlan(B, dec.vocab, temperature, dev, pdl=self.pdl) if fast_sampling else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
 
@@ -211,7 +215,7 @@ class StaticDecoder:
 
     def __init__(self, model, *, dtype: torch.dtype = torch.bfloat16, bucket: int = 512, use_graphs: bool | None = None,
                  fused: bool = True, n_vocab: int | None = None, kernels: bool | None = None, steps_per_graph: int = 16,
-                 prompt_slots: int = 256, gemv: bool = True):
+                 prompt_slots: int = 256, gemv: bool = True, pdl: bool = True):
         self.gen = inference_copy(model, dtype)
         self.dtype = dtype
         self.n_vocab = n_vocab  # sample ids < n_vocab only (None: every row of the head)
@@ -224,6 +228,8 @@ class StaticDecoder:
         self.kernels = (self.device.type == "cuda" and dk.available()) if kernels is None else kernels
         self.silu = getattr(self.gen.config, "hidden_act", None) == "silu"
         self.gemv = gemv  # with the kernels, at <= dk.GEMV_MAX_ROWS rows: the projections as the kit's GEMV kernels
+        # with the kernels: launched with programmatic dependent launch where the device and Triton allow it
+        self.pdl = pdl and dk.pdl_available(self.device)
         self.steps_per_graph, self.prompt_slots = steps_per_graph, prompt_slots
         self.session: _Session | None = None
         self.modules = _ModuleDecoder(self) if self.layers is None else None
@@ -236,13 +242,15 @@ class StaticDecoder:
 
     def _norm(self, s: _Session, x_B_H, norm):
         """HF's RMSNorm of ``x`` (one kernel on CUDA)."""
-        fn = dk.rms_norm if s.kernels else dk.rms_norm_ref
-        return fn(x_B_H, norm.weight, norm.variance_epsilon)
+        if s.kernels:
+            return dk.rms_norm(x_B_H, norm.weight, norm.variance_epsilon, s.pdl)
+        return dk.rms_norm_ref(x_B_H, norm.weight, norm.variance_epsilon)
 
     def _add_norm(self, s: _Session, h_B_H, r_B_H, norm):
         """The residual add ``h += r`` (in place) and HF's RMSNorm of the sum: (h, normed)."""
-        fn = dk.add_rms_norm if s.kernels else dk.add_rms_norm_ref
-        return fn(h_B_H, r_B_H, norm.weight, norm.variance_epsilon)
+        if s.kernels:
+            return dk.add_rms_norm(h_B_H, r_B_H, norm.weight, norm.variance_epsilon, s.pdl)
+        return dk.add_rms_norm_ref(h_B_H, r_B_H, norm.weight, norm.variance_epsilon)
 
     def _attend(self, s: _Session, i: int, f: dict, qkv_B_X):
         """Layer ``i``'s attention for one token per row from its q/k/v projection: the rotary embedding, the
@@ -267,13 +275,14 @@ class StaticDecoder:
     @staticmethod
     def _linear(s: _Session, x_B_K, w_N_K, b_N):
         """``x @ w^T + b``: the GEMV kernel(s) at the session's small batch, else cuBLAS."""
-        return dk.linear(x_B_K, w_N_K, b_N) if s.gemv else torch.nn.functional.linear(x_B_K, w_N_K, b_N)
+        return dk.linear(x_B_K, w_N_K, b_N, pdl=s.pdl) if s.gemv else torch.nn.functional.linear(x_B_K, w_N_K, b_N)
 
     def _linear_add_norm(self, s: _Session, x_B_K, linear, h_B_H, norm):
         """The residual add ``h += linear(x)`` (in place) and HF's RMSNorm of the sum: (h, normed); at the
         session's small batch the projection's partial sums, the add and the norm in one kernel."""
         if s.gemv:
-            return dk.linear_add_rms_norm(x_B_K, linear.weight, linear.bias, h_B_H, norm.weight, norm.variance_epsilon)
+            return dk.linear_add_rms_norm(x_B_K, linear.weight, linear.bias, h_B_H, norm.weight, norm.variance_epsilon,
+                                          pdl=s.pdl)
         return self._add_norm(s, h_B_H, self._linear(s, x_B_K, linear.weight, linear.bias), norm)
 
     def _layer(self, s: _Session, i: int, f: dict, h_B_H, x_B_H, next_norm):
@@ -283,10 +292,10 @@ class StaticDecoder:
         o_B_H_D = self._attend(s, i, f, self._linear(s, x_B_H, f["w_qkv"], f["b_qkv"]))
         h_B_H, x_B_H = self._linear_add_norm(s, o_B_H_D.reshape(B, -1), f["attn"].o_proj, h_B_H, f["ln2"])
         if s.gemv and self.silu:  # the gate/up projection and silu * up in one pass
-            act_B_I = dk.linear_silu(x_B_H, f["w_gu"], f["b_gu"])
+            act_B_I = dk.linear_silu(x_B_H, f["w_gu"], f["b_gu"], pdl=s.pdl)
         else:
             gu_B_X = self._linear(s, x_B_H, f["w_gu"], f["b_gu"])
-            act_B_I = dk.silu_mul(gu_B_X) if s.kernels and self.silu else self._mlp_act(f, gu_B_X)
+            act_B_I = dk.silu_mul(gu_B_X, s.pdl) if s.kernels and self.silu else self._mlp_act(f, gu_B_X)
         return self._linear_add_norm(s, act_B_I, f["mlp"].down_proj, h_B_H, next_norm)
 
     def _sample(self, s: _Session, raw_B_V, t):
@@ -435,7 +444,7 @@ class StaticDecoder:
                         break
             t = min(t, T)
             self.stats.update(decode_steps=t, fused_layers=True, kernels=s.kernels, steps_per_graph=S,
-                              prompt_slots=s.Sp)
+                              prompt_slots=s.Sp, pdl=s.pdl)
             return s.out_ids_B_T[:, :t].clone(), s.out_logp_B_T[:, :t].clone()
 
 
