@@ -30,7 +30,7 @@ from opdkit.persist.checkpoints import step_of
 from opdkit.recipes import load_config
 from opdkit.stages.eval_checkpoints import check_last_step, eval_argv, eval_out, write_curve
 from opdkit.stages.jobs import Job, run_jobs
-from opdkit.stages.train_runs import workers_for
+from opdkit.stages.train_runs import add_job_options, workers_for
 from opdkit.studies.report import pipeline_arms
 
 EVAL_READS = ("eval", "data", "runtime")  # the params sections opdkit eval reads
@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="eval JSONs: OUT/reference/*.json, OUT/<arm>/seed<n>.json; the "
                     "ledger OUT/jobs.json")
     ap.add_argument("--curves", required=True, help="the learning curves: CURVES/<arm>/seed<n>/")
-    ap.add_argument("--logs", default="runs/logs/eval", help="one log per eval (default runs/logs/eval)")
-    ap.add_argument("--workers", type=int, default=0, help="processes at a time (default: one per CPU / "
-                    "runtime.threads; one on CUDA)")
-    ap.add_argument("-p", "--params", default="params.yaml")
-    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_job_options(ap, "runs/logs/eval")
     args = ap.parse_args(argv)
     try:
         jobs, curves = eval_jobs(args.params, args.runs, args.student, args.teacher, args.data, args.out,

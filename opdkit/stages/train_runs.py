@@ -106,6 +106,16 @@ def workers_for(params: str, overrides: list[str]) -> tuple[int, int]:
     return default_workers(rt.threads), rt.threads
 
 
+def add_job_options(ap: argparse.ArgumentParser, logs: str) -> None:
+    """The options the train and eval stages share: their logs' folder (default ``logs``), the processes at a
+    time, the params file and its -S overrides."""
+    ap.add_argument("--logs", default=logs, help=f"one log per job (default {logs})")
+    ap.add_argument("--workers", type=int, default=0, help="processes at a time (default: one per CPU / "
+                    "runtime.threads; one on CUDA)")
+    ap.add_argument("-p", "--params", default="params.yaml")
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m opdkit.stages.train_runs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--student", required=True)
@@ -114,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the runs' folder: OUT/<arm>/seed<n>, and the ledger OUT/jobs.json")
     ap.add_argument("--offline", default="", metavar="POOL", help="the offline pool (opdkit offline-rollouts): "
                     "runs with rollout.source=offline read it (rollout.offline_file)")
-    ap.add_argument("--logs", default="runs/logs/train", help="one log per run (default runs/logs/train)")
-    ap.add_argument("--workers", type=int, default=0, help="processes at a time (default: one per CPU / "
-                    "runtime.threads; one on CUDA)")
-    ap.add_argument("-p", "--params", default="params.yaml")
-    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_job_options(ap, "runs/logs/train")
     args = ap.parse_args(argv)
     try:
         jobs = train_jobs(args.params, args.student, args.teacher, args.data, args.out, args.logs, args.overrides,
