@@ -1,0 +1,77 @@
+"""The decoder's Triton kernels compiled for an H100/H200 (sm_90 PTX, no GPU needed) with and without programmatic
+dependent launch: each compiles both ways, and under PDL each waits for the kernel before (``griddepcontrol.wait``)
+before its first store, and before its first load except the GEMV's first block of weights (which no kernel of the
+decode step writes), then lets the next kernel launch. Without PDL no such instruction is there. The interpreter
+tests (test_decode_kernels.py) run the kernels' arithmetic; the GPU tests run PDL against no PDL bit for bit."""
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+BF, F32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
+
+# kernel: (its arguments' types, its constexprs at the 1.5B shape, batch 8)
+KERNELS = {
+    "gemv_kernel": (dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, out_ptr=BF, part_ptr=F32, B=I32, N=I32, KD=I32, stride_x=I32,
+                         stride_w=I32),
+                    dict(K_PER=1536, BP=16, BLOCK_N=32, BLOCK_K=64, SPLIT=1, HAS_BIAS=True, SILU=True, IEEE=False)),
+    "gemv_reduce_add_norm_kernel": (dict(part_ptr=F32, b_ptr=BF, h_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32",
+                                         stride_h=I32), dict(BP=16, BLOCK=2048, SPLIT=4, HAS_BIAS=False)),
+    "gemv_reduce_kernel": (dict(part_ptr=F32, b_ptr=BF, out_ptr=BF, B=I32, N=I32),
+                           dict(BP=16, BLOCK_N=64, SPLIT=4, HAS_BIAS=True, SILU=False)),
+    "rope_attn_partial_kernel": (dict(qkv_ptr=BF, cos_ptr=BF, sin_ptr=BF, pos_ptr=I64, k_ptr=BF, v_ptr=BF,
+                                      start_ptr=I64, end_ptr=I64, end_offset=I32, acc_ptr=F32, m_ptr=F32, l_ptr=F32,
+                                      scale="fp32", stride_qkv=I32, stride_cb=I32, stride_ck=I32, stride_cl=I32),
+                                 dict(H=12, K=2, G=6, GP=16, D=128, CHUNK=256, BLOCK_N=64, NSPLIT=32, IEEE=False,
+                                      STATIC_LOOP=False)),
+    "attn_reduce_kernel": (dict(acc_ptr=F32, m_ptr=F32, l_ptr=F32, out_ptr=BF), dict(NSPLIT=32, NSP=32, D=128)),
+    "add_rms_norm_kernel": (dict(h_ptr=BF, r_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32", stride_h=I32,
+                                 stride_r=I32), dict(BLOCK=2048)),
+    "rms_norm_kernel": (dict(x_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32", stride_x=I32), dict(BLOCK=2048)),
+    "silu_mul_kernel": (dict(gu_ptr=BF, out_ptr=BF, inter=I32, stride_gu=I32), dict(BLOCK=1024)),
+    "gumbel_kernel": (dict(raw_ptr=F32, seeds_ptr=I64, t_ptr=I64, tau_ptr="*fp64", val_ptr="*fp64", idx_ptr=I64,
+                           n_vocab=I32, stride_raw=I32), dict(NBLK=38, BLOCK=4096, TEMPERED=True)),
+}
+
+
+def _ptx(name: str, pdl: bool) -> list[str]:
+    """The kernel's PTX instructions (its debug sections and comments dropped), compiled for sm_90."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from opdkit.engines import decode_triton
+
+    args, const = KERNELS[name]
+    const = {**const, "PDL": pdl}
+    try:
+        src = ASTSource(getattr(decode_triton, name), {**args, **{k: "constexpr" for k in const}}, const)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=4, **({"launch_pdl": True} if pdl else {})))
+    except (TypeError, KeyError, ImportError) as e:  # another Triton's compile API
+        pytest.skip(f"this Triton ({triton.__version__}) compiles differently: {type(e).__name__}: {e}")
+    code = kernel.asm["ptx"].split(".section")[0]
+    return [re.sub(r"//.*", "", line).strip() for line in code.splitlines() if re.sub(r"//.*", "", line).strip()]
+
+
+def _first(lines: list[str], pattern: str) -> int:
+    return next((i for i, line in enumerate(lines) if re.search(pattern, line)), len(lines))
+
+
+# global-memory loads and stores, predicated or not (shared-memory ones are the program's own)
+LOAD = r"^(@!?%p\d+\s+)?(ld\.global|cp\.async\.\S*global)"
+STORE = r"^(@!?%p\d+\s+)?(st\.global|red\.global|atom\.global)"
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_each_kernel_waits_for_the_one_before_under_pdl_and_only_then(name):
+    with_pdl, without = _ptx(name, True), _ptx(name, False)
+    wait = _first(with_pdl, r"griddepcontrol\.wait")
+    assert wait < len(with_pdl) and _first(with_pdl, r"griddepcontrol\.launch_dependents") > wait
+    assert wait < _first(with_pdl, STORE) < len(with_pdl)  # nothing written before the kernel before has finished
+    if name != "gemv_kernel":
+        assert _first(with_pdl, LOAD) > wait  # nothing read before it either
+    else:  # the first block of weights (gate and up rows) is read before the wait: those loads are there
+        assert any(re.search(LOAD, line) for line in with_pdl[:wait])
+    assert not any("griddepcontrol" in line for line in without)
