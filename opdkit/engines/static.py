@@ -26,8 +26,9 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   the step measured 9% slower on an H200); sampling at top-p 1 is
   one hashing Gumbel-argmax kernel plus the log-softmax of the sampled token. On Hopper and later the
   kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
-  launch overlaps the kernel before it, and every kernel waits for that one's writes before its first load,
-  so no result changes (``pdl=False`` launches them one after the other).
+  launch overlaps the kernel before it, and every kernel waits for that one to finish before its first store
+  and before it reads anything an earlier kernel wrote, so no result changes (``pdl=False`` launches them
+  one after the other).
 
 Other architectures (e.g. Gemma's norms) decode through the modules' own forward with an HF
 ``StaticCache``, one CUDA graph per bucket of cache length (``_ModuleDecoder``).
