@@ -46,10 +46,10 @@ lim() { local s=$1; shift; timeout -k 10 "$s" "$@"; echo "$* -> rc=$? ($(date -u
 # (.speed/head, SPEED_KIT) and after
 decoder_tests() { lim "$1" python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode.py \
   tests/test_decode_kernels.py > "$OUT/tests.txt" 2>&1; }
-static_before_after() {
+static_before_after() {  # [IMPLS]: this kit's decoders (default new); the kit before runs new
   for kit in .speed/head ""; do
-    lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
-      --impls new >> "$OUT/parts.txt" 2>&1
+    lim 150 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+      --impls "$([ -n "$kit" ] && echo new || echo "${1:-new}")" >> "$OUT/parts.txt" 2>&1
   done
 }
 [ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ "$PHASE" = h1 ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
@@ -78,10 +78,7 @@ case $PHASE in
     ;;
   p1)
     decoder_tests 170
-    lim 100 env SPEED_KIT=.speed/head python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
-      --impls new >> "$OUT/parts.txt" 2>&1
-    lim 150 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls nopdl,new \
-      >> "$OUT/parts.txt" 2>&1
+    static_before_after nopdl,new
     ;;
   h4)
     for T in 1024 3072; do
