@@ -18,6 +18,15 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``tl.dot(a, b)``; with IEEE (float32 inputs, the CPU tests' precision) in full float32, not TF32."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _rotate(x, partner, cos, sin, d, half: tl.constexpr):
     """HF's ``x * cos + rotate_half(x) * sin`` in float32 (``partner``: x at d + D/2 mod D), as ``rotate`` does."""
     rot = tl.where(d < half, -partner, partner)
@@ -33,20 +42,14 @@ def _attn_block(q, k_ptr, v_ptr, base, n0, lo, hi, stride_cl, d, m_i, l_i, acc, 
     valid = (n >= lo) & (n < hi)
     kv_off = base + n[:, None] * stride_cl + d[None, :]
     k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)
-    if IEEE:
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
+    sc = _dot(q, tl.trans(k), IEEE)
     sc = tl.where(valid[None, :], sc * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: the block holds a visible slot
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(sc - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
@@ -244,15 +247,9 @@ def _gemv_weights(w_ptr, n, k, N, nmask, kmask, stride_w, SILU: tl.constexpr):
 @triton.jit
 def _gemv_block(acc, acc_u, x, w, wu, SILU: tl.constexpr, IEEE: tl.constexpr):
     """acc (BP, BLOCK_N) += x (BP, BLOCK_K) @ w^T, and acc_u += x @ wu^T under SILU."""
-    if IEEE:
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:
-        acc += tl.dot(x, tl.trans(w))
+    acc += _dot(x, tl.trans(w), IEEE)
     if SILU:
-        if IEEE:
-            acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
-        else:
-            acc_u += tl.dot(x, tl.trans(wu))
+        acc_u += _dot(x, tl.trans(wu), IEEE)
     return acc, acc_u
 
 
