@@ -27,6 +27,10 @@
 #   h4: carry .lane             S1 at 1,024 and 3,072 new tokens, 4 steps each (~3 min)
 #   p1: carry .lane .speed .v0  the decoder's GPU tests; the static decoder at 1,024 new tokens: the kit before
 #                                (.speed/head), this kit without and with programmatic dependent launch (~5 min)
+#   p2: carry .lane .speed .v0  the decoder's GPU tests; the sampling tail before / after (bench/s1_speed.py sample);
+#                                the static decoder at 1,024 of the kit before (.speed/head) and this kit, their
+#                                recorded log-probs compared (logp_diff.txt) (~5 min)
+#   p3: carry .lane .speed .v1  S1 at 1,024 new tokens, 4 steps, the kit before (.speed/head) and this kit (~3.5 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -79,6 +83,24 @@ case $PHASE in
   p1)
     decoder_tests 170
     static_before_after nopdl,new
+    ;;
+  p2)
+    decoder_tests 170
+    lim 90 python3 bench/s1_speed.py sample --out "$OUT" >> "$OUT/parts.txt" 2>&1
+    for kit in .speed/head ""; do
+      lim 150 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+        --impls new --save-logp /tmp/logp >> "$OUT/parts.txt" 2>&1
+    done
+    lim 60 python3 -c "import torch; a, b = torch.load('/tmp/logp/head_new.pt'), torch.load('/tmp/logp/this_new.pt'); \
+d = (a - b).abs(); print(f'recorded log-probs, kit before vs this kit: max |d| {d.max():.3e}, mean {d.mean():.3e}, \
+{int((d > 0).sum())} of {d.numel()} differ')" > "$OUT/logp_diff.txt" 2>&1
+    ;;
+  p3)
+    for kit in .speed/head ""; do
+      lim 110 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_1024${kit:+_before}" --recipe s1 \
+        --steps 4 ${kit:+--kit $kit} -S rollout.max_new_tokens=1024 >> "$OUT/parts.txt" 2>&1
+      rm -rf "$R/runs/s1_1024${kit:+_before}"
+    done
     ;;
   h4)
     for T in 1024 3072; do

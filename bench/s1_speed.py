@@ -192,7 +192,12 @@ def static(args) -> None:
                 wall = sync(device) - t0
             digest = hashlib.sha256(out_ids.cpu().numpy().tobytes() + out_logp.cpu().numpy().tobytes()).hexdigest()
             res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall, pdl=dec.stats.get("pdl"),
-                       samples_sha256=digest[:16])  # the same 16 hex digits: the same ids and log-probs, bit for bit
+                       samples_sha256=digest[:16],  # the same 16 hex digits: the same ids and log-probs, bit for bit
+                       ids_sha256=hashlib.sha256(out_ids.cpu().numpy().tobytes()).hexdigest()[:16])  # the ids alone
+            if args.save_logp:  # the recorded log-probs, to compare across kits (bench/device_calls.sh)
+                Path(args.save_logp).mkdir(parents=True, exist_ok=True)
+                kit = Path(os.environ["SPEED_KIT"]).name if os.environ.get("SPEED_KIT") else "this"
+                torch.save(out_logp.cpu(), Path(args.save_logp) / f"{kit}_{name}.pt")
             Tp = min(T, 384)  # 3. where a replayed step's device time goes (capture steps included: 1 per bucket)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
@@ -598,6 +603,85 @@ def matmul(args) -> None:
             del a, b
 
 
+def sample(args) -> None:
+    """The static decoder's sampling tail at batch 8 over the real vocabulary (151,936 rows, 151,665 ids), 16 steps
+    in one CUDA graph, microseconds per step: before (the logits' float32 copy, ``gumbel_argmax``, the log-softmax
+    and the step's writes in torch) and ``decode_kernels.sample_token`` with the Gumbel kernel's ids per program
+    and warps varied (the same ids; the log-softmax's parts summed per block)."""
+    from opdkit.engines import decode_kernels as dk
+    from opdkit.engines.sampling import mask_vocab
+
+    device = "cpu" if args.tiny else "cuda"
+    B, V, n_vocab, S = 8, 151936, 151665, 16
+    reps, rounds = (1, 1) if args.tiny else (20, 5)  # --tiny: a dry run under TRITON_INTERPRET=1
+    raw = (torch.randn(B, V, device=device) * 4).bfloat16()
+    seeds = torch.arange(1, B + 1, device=device) * 7919
+    eos = torch.tensor([151643, 151645], device=device)
+
+    def state():
+        return (torch.zeros(1, dtype=torch.int64, device=device), torch.zeros((B, S), dtype=torch.int64, device=device),
+                torch.zeros((B, S), device=device), torch.zeros(B, dtype=torch.int64, device=device),
+                torch.zeros(B, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.bool, device=device))
+
+    def before(plan, st):
+        t_1, ids, logp, tok, pos, done = st
+        raw32 = raw.float()
+        new = dk.gumbel_argmax(raw32, seeds, t_1, plan)
+        lp = mask_vocab(raw32, n_vocab).log_softmax(-1).gather(1, new[:, None])[:, 0]
+        ids.index_copy_(1, t_1, new[:, None])
+        logp.index_copy_(1, t_1, lp[:, None])
+        done.logical_or_(torch.isin(new, eos))
+        tok.copy_(new)
+        pos.add_(1)
+        t_1.add_(1)
+
+    def after(plan, st):
+        t_1, ids, logp, tok, pos, done = st
+        dk.sample_token(raw, seeds, t_1, plan, ids, logp, tok, pos, done, eos)
+        t_1.add_(1)
+
+    pdl = device == "cuda" and dk.pdl_available(torch.device(device))
+    variants = [("before", before, None, 4)] + [("sample_token", after, blk, w) for blk, w in
+                                                ((4096, 4), (4096, 8), (2048, 4), (1024, 4), (1024, 8), (512, 4))]
+    results = {}
+    for name, fn, block, warps in variants:
+        plan = dk.GumbelPlan(B, n_vocab, 1.0, device, pdl=pdl, block=block, warps=warps)
+        st = state()
+        for _ in range(2):  # compile, warm up
+            fn(plan, st)
+        st[0].zero_()
+        if device == "cuda":
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(plan, st)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(g):
+                for _ in range(S):
+                    fn(plan, st)
+            run = g.replay
+        else:
+            def run():
+                for _ in range(S):
+                    fn(plan, st)
+        best = float("inf")
+        for _ in range(rounds):
+            st[0].zero_()
+            t0 = sync(device)
+            for _ in range(reps):
+                st[0].zero_()
+                run()
+            best = min(best, (sync(device) - t0) / (reps * S))
+        st[0].zero_()
+        run()
+        results[(name, block, warps)] = (st[1].clone(), st[2].clone())
+        want_ids, want_logp = results[("before", None, 4)]
+        append(Path(args.out), {"what": "sample", "variant": name, "block": block or plan.block, "warps": warps,
+                                "pdl": pdl, "us_per_step": best * 1e6, "ids_same": bool(torch.equal(st[1], want_ids)),
+                                "max_dlogp": float((st[2] - want_logp).abs().max())})
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -736,19 +820,20 @@ def report(args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["static", "update", "matmul", "vllm", "vllm-raw", "trl", "report"])
+    ap.add_argument("what", choices=["static", "sample", "update", "matmul", "vllm", "vllm-raw", "trl", "report"])
     ap.add_argument("--root", default="/tmp/lane")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
     ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new,nopdl")
+    ap.add_argument("--save-logp", default="", help="static: a folder for each decoder's recorded log-probs (.pt)")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")
     ap.add_argument("--async-scheduling", type=int, default=None, help="vllm-raw: 0 / 1 (default: vLLM's choice)")
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
     ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
     args = ap.parse_args(argv)
-    {"static": static, "update": update, "matmul": matmul, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl,
+    {"static": static, "sample": sample, "update": update, "matmul": matmul, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl,
      "report": report}[args.what](args)
     return 0
 

@@ -80,6 +80,29 @@ def kernels() -> None:
         same = all(torch.equal(dk.gumbel_argmax_ref(raw, seeds, t, tau, V - 100),
                                dk.gumbel_argmax(raw, seeds, torch.tensor([t]), plan)) for t in (0, 1, 7, 1000, 2 ** 40))
         check(f"gumbel_argmax tau={tau}", same)
+        for dtype in (torch.float32, torch.bfloat16):  # the logits as the LM head gives them: no float32 copy
+            raw_d = raw.to(dtype)
+            T, eos = 6, torch.tensor([5, 17])
+            ids, logp = torch.zeros((B, T), dtype=torch.int64), torch.zeros((B, T))
+            tok, pos = torch.zeros(B, dtype=torch.int64), torch.tensor([3, 9, 40])
+            done = torch.tensor([False, True, False])
+            ok, err = True, 0.0
+            for t in (0, 4):
+                want_ids, want_logp = dk.sample_token_ref(raw_d, seeds, t, tau, V - 100)
+                pos0, done0 = pos.clone(), done.clone()
+                dk.sample_token(raw_d, seeds, torch.tensor([t]), plan, ids, logp, tok, pos, done, eos)
+                err = max(err, float((logp[:, t] - want_logp).abs().max()))
+                ok &= (torch.equal(ids[:, t], want_ids) and torch.equal(tok, want_ids) and torch.equal(pos, pos0 + 1)
+                       and torch.equal(done, done0 | torch.isin(want_ids, eos)))
+            untouched = torch.equal(ids[:, [1, 2, 3, 5]], torch.zeros((B, 4), dtype=torch.int64))
+            check(f"sample_token tau={tau} {dtype}", ok and untouched and err < 2e-6, f"max log-prob err {err:.1e}")
+    # the end test: an id that is one of the end ids sets its row's done flag (and only that row's)
+    plan = dk.GumbelPlan(B, V - 100, 1.0, "cpu")
+    want_ids, _ = dk.sample_token_ref(raw, seeds, 2, 1.0, V - 100)
+    done = torch.zeros(B, dtype=torch.bool)
+    dk.sample_token(raw, seeds, torch.tensor([2]), plan, torch.zeros((B, 3), dtype=torch.int64), torch.zeros((B, 3)),
+                    torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64), done, want_ids[1:2])
+    check("sample_token end ids", done.tolist() == [bool(i == want_ids[1]) for i in want_ids.tolist()])
 
 
 def decoder() -> None:

@@ -240,6 +240,17 @@ def test_decode_kernels_in_bf16_equal_their_references():
             raw = torch.randn(B, V, device="cuda") * 4
             want = dk.gumbel_argmax_ref(raw, seeds, torch.tensor(t, device="cuda"), tau, n_vocab)
             assert torch.equal(dk.gumbel_argmax(raw, seeds, torch.tensor([t], device="cuda"), plan), want), (tau, t)
+            raw16 = raw.bfloat16()  # the LM head's logits as the decoder samples from them (no float32 copy)
+            want_ids, want_logp = dk.sample_token_ref(raw16, seeds, torch.tensor(t, device="cuda"), tau, n_vocab)
+            ids = torch.zeros((B, t + 2), dtype=torch.int64, device="cuda")
+            logp = torch.zeros((B, t + 2), device="cuda")
+            tok, pos = torch.zeros(B, dtype=torch.int64, device="cuda"), torch.arange(B, device="cuda")
+            done, eos = torch.zeros(B, dtype=torch.bool, device="cuda"), want_ids[:1].clone()
+            dk.sample_token(raw16, seeds, torch.tensor([t], device="cuda"), plan, ids, logp, tok, pos, done, eos)
+            assert torch.equal(ids[:, t], want_ids) and torch.equal(tok, want_ids), (tau, t)
+            assert (logp[:, t] - want_logp).abs().max() < 1e-5 and not logp[:, t + 1].any(), (tau, t)
+            assert torch.equal(pos, torch.arange(1, B + 1, device="cuda")), (tau, t)
+            assert torch.equal(done, want_ids == eos), (tau, t)
 
 
 def test_gemv_kernels_in_bf16_round_as_their_references_at_the_real_shape():

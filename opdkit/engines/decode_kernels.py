@@ -19,7 +19,8 @@ token index, the attention span) from device tensors, so one CUDA graph serves e
 - ``gumbel_argmax``: the sampled id of ``engines.sampling.policy_scores`` at top-p 1: the argmax over
   the tokenizer's ids of ``z / τ + Gumbel(seed, t, id)`` in float64, the noise hashed in-kernel
   (``engines.sampling.uniform_noise``'s splitmix64), ~40 elementwise kernels over (B, V) -> 1 + a
-  small argmax.
+  small argmax; ``sample_token``: that id, its float32 log π (the log-softmax's parts computed in the
+  same pass over the logits, merged by a second kernel) and the step's writes, in 2 kernels.
 
 Shapes: B rows, H query heads, K = Hkv key/value heads, G = H / K, D head dim, L cache slots, V
 vocabulary, X = (H + 2K) D the fused q/k/v width, I the MLP width. The references define the
@@ -149,7 +150,8 @@ def _kernels() -> dict:
         assert UNIFORM_BITS == 52 and _GOLDEN + (1 << 64) == 0x9E3779B97F4A7C15  # the constants written there
         assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
         _K = dict(rope_attn_partial=t.rope_attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
-                  silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, rms_norm=t.rms_norm_kernel,
+                  silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, sample_finish=t.sample_finish_kernel,
+                  rms_norm=t.rms_norm_kernel,
                   add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel, gemv_reduce=t.gemv_reduce_kernel,
                   gemv_reduce_add_norm=t.gemv_reduce_add_norm_kernel)
     return _K
@@ -252,29 +254,63 @@ def silu_mul(gu_B_X: torch.Tensor, pdl: bool = False) -> torch.Tensor:
 
 
 class GumbelPlan:
-    """Preallocated per-block maxima for ``gumbel_argmax`` over V ids in blocks of BLOCK; ``pdl`` as in
-    ``AttentionPlan``."""
+    """Preallocated per-block maxima and log-softmax parts for ``gumbel_argmax`` / ``sample_token`` over V ids in
+    blocks of BLOCK; ``pdl`` as in ``AttentionPlan``."""
 
     BLOCK = 4096
 
-    def __init__(self, B: int, n_vocab: int, temperature: float, device, pdl: bool = False):
+    def __init__(self, B: int, n_vocab: int, temperature: float, device, pdl: bool = False, block: int | None = None,
+                 warps: int = 4):
         self.n_vocab, self.temperature, self.pdl = n_vocab, float(temperature), pdl
-        self.nblk = -(-n_vocab // self.BLOCK)
+        self.block, self.warps = block or self.BLOCK, warps  # the ids per program and its warps (the same samples)
+        self.nblk = -(-n_vocab // self.block)
         self.val = torch.empty((B, self.nblk), dtype=torch.float64, device=device)
         self.idx = torch.empty((B, self.nblk), dtype=torch.int64, device=device)
+        self.m = torch.empty((B, self.nblk), dtype=torch.float32, device=device)
+        self.s = torch.empty((B, self.nblk), dtype=torch.float32, device=device)
         self.tau_1 = torch.full((1,), self.temperature, dtype=torch.float64, device=device)
+        # torch divides a CUDA float32 tensor by a Python float as a product with its float32 reciprocal
+        self.inv_tau = float(torch.tensor(1.0) / torch.tensor(self.temperature, dtype=torch.float32))
+
+
+def _gumbel_blocks(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> None:
+    k = _kernels()
+    k["gumbel"][(raw_B_V.shape[0], plan.nblk)](
+        raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.m, plan.s, plan.n_vocab, raw_B_V.stride(0),
+        plan.inv_tau, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=plan.temperature != 1.0, num_warps=plan.warps,
+        **_pdl(plan.pdl))
 
 
 def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
-    """``gumbel_argmax_ref`` at ``plan.temperature`` (float32 ``raw_B_V``; ``t_1`` a 1-element int64 device
-    tensor)."""
-    k = _kernels()
-    B, temperature = raw_B_V.shape[0], plan.temperature
-    k["gumbel"][(B, plan.nblk)](raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.n_vocab,
-                                raw_B_V.stride(0), NBLK=plan.nblk, BLOCK=plan.BLOCK, TEMPERED=temperature != 1.0,
-                                **_pdl(plan.pdl))
+    """``gumbel_argmax_ref`` at ``plan.temperature`` (float32 or bfloat16 ``raw_B_V``; ``t_1`` a 1-element int64
+    device tensor)."""
+    _gumbel_blocks(raw_B_V, seeds_B, t_1, plan)
     best_B = plan.val.argmax(-1, keepdim=True)
     return plan.idx.gather(1, best_B)[:, 0]
+
+
+def sample_token_ref(raw_B_V, seeds_B, t, temperature: float, n_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The id ``policy_scores`` samples at top-p 1 (B,) and its recorded log π (B,) float32."""
+    from opdkit.engines.sampling import policy_scores
+
+    scores_B_V, logp_B_V = policy_scores(raw_B_V.float(), seeds_B, t, temperature, 1.0, n_vocab)
+    new_B = scores_B_V.argmax(-1)
+    return new_B, logp_B_V.gather(1, new_B[:, None])[:, 0]
+
+
+def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok_B, pos_B, done_B, eos_E) -> None:
+    """One sampling step of the static decoder at top-p 1, in 2 kernels: ``sample_token_ref``'s id (the same) and
+    log π (its float32 log-softmax summed in another order: within a few float32 ulps) written into column ``t``
+    (``t_1``'s value) of ``ids_B_T`` / ``logp_B_T``, the id into ``tok_B``, ``pos_B`` advanced by one, ``done_B``
+    (bool) set where the id is in ``eos_E``. Replaces ~15 kernels: the logits' float32 copy, the log-softmax, the
+    argmax over blocks, the gathers, the writes and the end test."""
+    B = raw_B_V.shape[0]
+    _gumbel_blocks(raw_B_V, seeds_B, t_1, plan)
+    _kernels()["sample_finish"][(B,)](
+        raw_B_V, plan.val, plan.idx, plan.m, plan.s, t_1, eos_E, eos_E.numel(), ids_B_T, logp_B_T, tok_B, pos_B,
+        done_B.view(torch.uint8), raw_B_V.stride(0), ids_B_T.stride(0), plan.inv_tau, NBLK=plan.nblk,
+        NBP=_next_pow2(plan.nblk), NEP=_next_pow2(max(1, eos_E.numel())), TEMPERED=plan.temperature != 1.0,
+        **_pdl(plan.pdl))
 
 
 # --- the projections at a small batch (GEMV) ------------------------------------------------------

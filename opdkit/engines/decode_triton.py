@@ -153,16 +153,22 @@ def _mix64(z):  # engines.sampling._mix64 on uint64 (logical shifts, products mo
     return z ^ (z >> 31)
 
 @triton.jit
-def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, n_vocab, stride_raw,
+def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, n_vocab, stride_raw, inv_tau,
                   NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
+    """One block of BLOCK ids of row b: the largest float64 ``raw / τ + Gumbel`` and its id (``val``, ``idx``), and
+    the block's part of the float32 log-softmax of ``raw * (1 / τ)`` (``m``: its largest value, ``s``: the sum of
+    ``exp(z - m)``), over the ids below n_vocab. ``raw`` float32 or bfloat16 (read as its exact float values)."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     v = j * BLOCK + tl.arange(0, BLOCK)
     valid = v < n_vocab
-    z = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0).to(tl.float64)
+    raw = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0).to(tl.float32)
+    z = raw.to(tl.float64)
+    z32 = raw
     if TEMPERED:
         z = z / tl.load(tau_ptr)  # float64 τ: z / τ as policy_logits divides
+        z32 = raw * inv_tau  # as torch divides a CUDA float32 tensor by a Python float: times its float32 reciprocal
     seed = tl.load(seeds_ptr + b).to(tl.uint64)
     t = tl.load(t_ptr).to(tl.uint64)
     key = _mix64(seed * 0x9E3779B97F4A7C15 + t)  # uniform_noise: one stream per (row, token index)
@@ -174,6 +180,42 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, n_vocab,
     at = tl.argmax(score, 0)
     tl.store(val_ptr + b * NBLK + j, best)
     tl.store(idx_ptr + b * NBLK + j, (j * BLOCK + at).to(tl.int64))
+    z32 = tl.where(valid, z32, float("-inf"))
+    m = tl.max(z32, 0)
+    tl.store(m_ptr + b * NBLK + j, m)
+    tl.store(s_ptr + b * NBLK + j, tl.sum(tl.where(valid, tl.exp(z32 - m), 0.0), 0))
+
+
+@triton.jit
+def sample_finish_kernel(raw_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, t_ptr, eos_ptr, n_eos, ids_ptr, logp_ptr, tok_ptr,
+                         pos_ptr, done_ptr, stride_raw, stride_out, inv_tau, NBLK: tl.constexpr, NBP: tl.constexpr,
+                         NEP: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
+    """Row b's sampled id from ``gumbel_kernel``'s blocks (the first block holding the largest score, as an argmax
+    over them picks) and its float32 log-softmax ``(z - M) - log(S)`` (M the largest z, S the sum of exp(z - M)
+    merged from the blocks): written at token index t of the outputs, as the next input token, the row's position
+    advanced by one and its done flag set where the id is one of the n_eos end ids."""
+    _pdl_enter(PDL)
+    b = tl.program_id(0)
+    j = tl.arange(0, NBP)
+    jm = j < NBLK
+    val = tl.load(val_ptr + b * NBLK + j, mask=jm, other=float("-inf"))
+    best = tl.argmax(val, 0)
+    new = tl.load(idx_ptr + b * NBLK + best)
+    m = tl.load(m_ptr + b * NBLK + j, mask=jm, other=float("-inf"))
+    mx = tl.max(m, 0)
+    total = tl.sum(tl.where(jm, tl.load(s_ptr + b * NBLK + j, mask=jm, other=0.0) * tl.exp(m - mx), 0.0), 0)
+    z = tl.load(raw_ptr + b * stride_raw + new).to(tl.float32)
+    if TEMPERED:
+        z = z * inv_tau
+    t = tl.load(t_ptr)
+    tl.store(ids_ptr + b * stride_out + t, new)
+    tl.store(logp_ptr + b * stride_out + t, (z - mx) - tl.log(total))
+    tl.store(tok_ptr + b, new)
+    tl.store(pos_ptr + b, tl.load(pos_ptr + b) + 1)
+    e = tl.arange(0, NEP)
+    eos = tl.load(eos_ptr + e, mask=e < n_eos, other=-1)
+    hit = tl.max((eos == new).to(tl.int32), 0)
+    tl.store(done_ptr + b, tl.maximum(tl.load(done_ptr + b).to(tl.int32), hit).to(tl.uint8))
 
 
 @triton.jit

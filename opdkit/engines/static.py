@@ -24,7 +24,9 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   (``gemv`` / ``rollout.decode_gemv``; else cuBLAS and a separate silu * up; the norms stay their own
   kernels: folded into the projections, each program re-reading the rows before streaming its weights,
   the step measured 9% slower on an H200); sampling at top-p 1 is
-  one hashing Gumbel-argmax kernel plus the log-softmax of the sampled token. On Hopper and later the
+  two kernels (``decode_kernels.sample_token``): the hashing Gumbel-argmax and the log-softmax's parts over
+  blocks of ids, then their merge with the step's writes (the id, its log π, the next input, the position,
+  the end test). On Hopper and later the
   kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
   launch overlaps the kernel before it, and every kernel waits for that one to finish before its first store
   and before it reads anything an earlier kernel wrote, so no result changes (``pdl=False`` launches them
@@ -318,13 +320,17 @@ class StaticDecoder:
         norms = [f["ln1"] for f in self.layers[1:]] + [m.norm]  # each layer's output norm: the next one's input norm
         for i, (f, next_norm) in enumerate(zip(self.layers, norms)):
             h_B_H, x_B_H = self._layer(s, i, f, h_B_H, x_B_H, next_norm)
-        raw_B_V = self.gen.lm_head(x_B_H).float()
-        new_B, logp_B = self._sample(s, raw_B_V, s.t_1)
-        s.out_ids_B_T.index_copy_(1, s.t_1, new_B[:, None])
-        s.out_logp_B_T.index_copy_(1, s.t_1, logp_B[:, None])
-        s.done_B.logical_or_(torch.isin(new_B, s.eos_E))
-        s.tok_B.copy_(new_B)
-        s.pos_B.add_(1)
+        raw_B_V = self.gen.lm_head(x_B_H)
+        if s.kernels and s.gumbel_plan is not None:  # top-p 1: the sample, its log π and the step's writes
+            dk.sample_token(raw_B_V, s.seeds_B, s.t_1, s.gumbel_plan, s.out_ids_B_T, s.out_logp_B_T, s.tok_B,
+                            s.pos_B, s.done_B, s.eos_E)
+        else:
+            new_B, logp_B = self._sample(s, raw_B_V.float(), s.t_1)
+            s.out_ids_B_T.index_copy_(1, s.t_1, new_B[:, None])
+            s.out_logp_B_T.index_copy_(1, s.t_1, logp_B[:, None])
+            s.done_B.logical_or_(torch.isin(new_B, s.eos_E))
+            s.tok_B.copy_(new_B)
+            s.pos_B.add_(1)
         s.t_1.add_(1)
 
     # --- prefill ----------------------------------------------------------------------------------
