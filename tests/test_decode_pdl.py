@@ -33,11 +33,11 @@ KERNELS = {
     "silu_mul_kernel": (dict(gu_ptr=BF, out_ptr=BF, inter=I32, stride_gu=I32), dict(BLOCK=1024)),
     "gumbel_kernel": (dict(raw_ptr=BF, seeds_ptr=I64, t_ptr=I64, tau_ptr="*fp64", val_ptr="*fp64", idx_ptr=I64,
                            m_ptr=F32, s_ptr=F32, n_vocab=I32, stride_raw=I32, inv_tau="fp32"),
-                      dict(NBLK=38, BLOCK=4096, TEMPERED=True)),
+                      dict(NBLK=149, BLOCK=1024, TEMPERED=True)),
     "sample_finish_kernel": (dict(raw_ptr=BF, val_ptr="*fp64", idx_ptr=I64, m_ptr=F32, s_ptr=F32, t_ptr=I64,
                                   eos_ptr=I64, n_eos=I32, ids_ptr=I64, logp_ptr=F32, tok_ptr=I64, pos_ptr=I64,
                                   done_ptr="*u8", stride_raw=I32, stride_out=I32, inv_tau="fp32"),
-                             dict(NBLK=38, NBP=64, NEP=2, TEMPERED=True)),
+                             dict(NBLK=149, NBP=256, NEP=2, TEMPERED=True)),
 }
 
 
