@@ -108,6 +108,27 @@ def test_bad_nproc_is_refused_by_run_sh(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_bad_params_key_fails_before_torch_is_imported(tmp_path):
+    """A typo in -S is refused by the config alone: matching the error to its exit status imports nothing."""
+    code = ("import sys; from opdkit.cli import main; "
+            f"rc = main(['train', '--out', {str(tmp_path / 'out')!r}, '-S', 'budget.max_stepz=3']); "
+            "print(rc, 'torch' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=60, env=env())
+    assert proc.stderr.splitlines()[-1] == "2 False", proc.stderr
+    assert "unknown params key 'budget.max_stepz'" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_exit_status_table_names_real_exception_classes():
+    import importlib
+
+    from opdkit import cli
+
+    for module, name in cli._EXPECTED:
+        assert issubclass(getattr(importlib.import_module(module), name), Exception), (module, name)
+    importlib.import_module("opdkit.persist.publish")
+    assert cli._publish_error() == (importlib.import_module("opdkit.persist.publish").PublishError,)
+
+
 def test_validate_rejects_a_stub_with_the_reason(tmp_path):
     stub = tmp_path / "checkpoint-7"
     stub.mkdir()
