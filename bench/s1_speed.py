@@ -662,7 +662,7 @@ def sample(args) -> None:
                     fn(plan, st)
             run = g.replay
         else:
-            def run():
+            def run(fn=fn, plan=plan, st=st):
                 for _ in range(S):
                     fn(plan, st)
         best = float("inf")
@@ -833,8 +833,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
     ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
     args = ap.parse_args(argv)
-    {"static": static, "sample": sample, "update": update, "matmul": matmul, "vllm": vllm, "vllm-raw": vllm_raw, "trl": trl,
-     "report": report}[args.what](args)
+    {"static": static, "sample": sample, "update": update, "matmul": matmul, "vllm": vllm, "vllm-raw": vllm_raw,
+     "trl": trl, "report": report}[args.what](args)
     return 0
 
 
