@@ -31,8 +31,8 @@
 #                                the static decoder at 1,024 of the kit before (.speed/head) and this kit, their
 #                                recorded log-probs compared (logp_diff.txt) (~5 min)
 #   p3: carry .lane .speed .v1  S1 at 1,024 new tokens, 4 steps, the kit before (.speed/head) and this kit (~3.5 min)
-#   p4: carry .lane             the decoder's GPU tests, the static decoder at 1,024, S1 at 1,024 (4 steps) and 7,168 (3)
-#                                (~7 min)
+#   p4: carry .lane             the decoder's GPU tests, the static decoder at 1,024 (at 1.0 / 1.0 and at the seeds'
+#                                0.6 / 0.95), S1 at 1,024 (4 steps) and 7,168 (3) (~7 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -107,6 +107,8 @@ d = (a - b).abs(); print(f'recorded log-probs, kit before vs this kit: max |d| {
   p4)
     decoder_tests 170
     lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
+      --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1  # the seeds' sampling: the torch sampler
     for T in 1024 7168; do
       lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_$T" --recipe s1 \
         --steps $([ $T = 1024 ] && echo 4 || echo 3) -S rollout.max_new_tokens=$T >> "$OUT/parts.txt" 2>&1

@@ -172,10 +172,11 @@ def static(args) -> None:
     if args.static_main and Path(args.static_main).is_file():
         impls = {"main": (_load_static(args.static_main), {}), **impls}
     for name, (mod, kw_dec) in impls.items():
-        res = {"what": "static", "impl": name, "max_new_tokens": T, "batch": len(rows)}
+        res = {"what": "static", "impl": name, "max_new_tokens": T, "batch": len(rows), "temperature": args.temperature,
+               "top_p": args.top_p}
         try:
             dec = mod.StaticDecoder(model, n_vocab=len(tok), **kw_dec)
-            kw = dict(temperature=1.0, top_p=1.0, eos_ids=[-1])  # no EOS: every row runs to the cap
+            kw = dict(temperature=args.temperature, top_p=args.top_p, eos_ids=[-1])  # no EOS: every row runs to the cap
             dec.use_graphs = False  # 1. kernels (CPU: ops) of one eager decode step: 3 tokens minus 2
             counts = {}
             for n_tok in (2, 3):
@@ -206,7 +207,7 @@ def static(args) -> None:
             top, ms, launches = kernel_table(prof, Tp, device)
             res.update(device_ms_per_step=ms, launches_per_step=launches, top_kernels=top[:12])
             res.update(bounds(model.config, bw, len(rows), ids.shape[1] + T / 2))
-            write_profile(out, "static", f"static decoder ({name}), batch {len(rows)}, {Tp} tokens: per decode step "
+            write_profile(out, "static", f"static decoder ({name}), batch {len(rows)}, {Tp} tokens at {args.temperature} / {args.top_p}: per decode step "
                                          f"{ms:.3f} device ms, {launches} kernels (eager step: "
                                          f"{res['kernels_per_eager_step']})", top)
             del dec
@@ -826,6 +827,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
     ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new,nopdl")
+    ap.add_argument("--temperature", type=float, default=1.0, help="static: the sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="static: top-p (below 1: the torch sampler)")
     ap.add_argument("--save-logp", default="", help="static: a folder for each decoder's recorded log-probs (.pt)")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")
