@@ -207,7 +207,8 @@ def static(args) -> None:
             top, ms, launches = kernel_table(prof, Tp, device)
             res.update(device_ms_per_step=ms, launches_per_step=launches, top_kernels=top[:12])
             res.update(bounds(model.config, bw, len(rows), ids.shape[1] + T / 2))
-            write_profile(out, "static", f"static decoder ({name}), batch {len(rows)}, {Tp} tokens at {args.temperature} / {args.top_p}: per decode step "
+            write_profile(out, "static", f"static decoder ({name}), batch {len(rows)}, {Tp} tokens at "
+                                         f"{args.temperature} / {args.top_p}: per decode step "
                                          f"{ms:.3f} device ms, {launches} kernels (eager step: "
                                          f"{res['kernels_per_eager_step']})", top)
             del dec
