@@ -154,6 +154,8 @@ else:  # a fresh child: the command, then the interpreter's normal exit with mai
         os.dup2(f, fd)
         os.close(f)
     sys.argv = ["opdkit", *job["argv"]]
+    if job.get("code"):  # the test's own code first (a fault injected by patching a module)
+        exec(compile(job["code"], "<test code>", "exec"), {"__name__": "__test_code__"})
     sys.exit(opdkit.cli.main(job["argv"]))
 '''
 # (not pandas nor pyarrow, which the runs import too: importing them starts a thread)
@@ -171,10 +173,13 @@ class OpdkitRunner:
                                      stdout=subprocess.PIPE, env=env(PYTHONPATH=str(REPO)))
         self.said = b""  # what the runner wrote that is not read yet
 
-    def run(self, argv: list[str], logs: Path, cwd: Path | None = None, timeout: float = 600) -> tuple[int, str, str]:
+    def run(self, argv: list[str], logs: Path, cwd: Path | None = None, timeout: float = 600,
+            code: str = "") -> tuple[int, str, str]:
+        """``code``: Python run in the child before the command (e.g. a fault patched into a module)."""
         logs.mkdir(parents=True, exist_ok=True)
         out, err = logs / "stdout.txt", logs / "stderr.txt"
-        job = {"argv": [str(a) for a in argv], "cwd": str(cwd or Path.cwd()), "stdout": str(out), "stderr": str(err)}
+        job = {"argv": [str(a) for a in argv], "cwd": str(cwd or Path.cwd()), "stdout": str(out), "stderr": str(err),
+               "code": code}
         self.proc.stdin.write(json.dumps(job).encode() + b"\n")
         self.proc.stdin.flush()
         started = self._reply(300)  # (the runner's first command waits for its imports)

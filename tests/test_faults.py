@@ -36,6 +36,7 @@ from opdkit.persist.checkpoints import (
 )
 from opdkit.persist.publish import export_checkpoint
 from procs import env
+from signal_harness import OpdkitRunner
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
@@ -101,9 +102,23 @@ def train_cmd(out: Path, overrides, fault: str = "none", when: str = "False") ->
             *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
 
 
-def run_train(out: Path, overrides, fault: str = "none", when: str = "False") -> subprocess.CompletedProcess:
-    return subprocess.run(train_cmd(out, overrides, fault, when), cwd=out.parent, text=True, capture_output=True,
-                          timeout=300, env=env())
+@pytest.fixture(scope="module")
+def runner():
+    """``opdkit train`` in processes forked from one that imported opdkit once (signal_harness): the runs below
+    need no signal of their own, so each is spared the seconds of a fresh interpreter's imports."""
+    r = OpdkitRunner()
+    yield r
+    r.close()
+
+
+def run_train(runner: OpdkitRunner, out: Path, overrides, fault: str = "none",
+              when: str = "False") -> subprocess.CompletedProcess:
+    """``train_cmd``'s run (its fault injected in the child before the command), in a child of ``runner``."""
+    argv = ["train", "--out", str(out), "--quiet", "-p", "none", *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
+    code = PRELUDE.format(when=when) + textwrap.dedent(INJECT[fault])
+    logs = out.parent / f"logs_{len(list(out.parent.glob('logs_*')))}"
+    status, stdout, stderr = runner.run(argv, logs, cwd=out.parent, timeout=300, code=code)
+    return subprocess.CompletedProcess(argv, status, stdout, stderr)
 
 
 def run_json(out: Path) -> dict:
@@ -134,7 +149,7 @@ def no_temp_dirs(out: Path) -> bool:
 # --- non-finite values ------------------------------------------------------------------------
 
 
-def test_the_issue_reproduction_lr_1e4_stops_with_exit_3_at_the_first_non_finite_step(tmp_path):
+def test_the_issue_reproduction_lr_1e4_stops_with_exit_3_at_the_first_non_finite_step(runner, tmp_path):
     """Issue 15: lr 1e4 without clipping made grad_norm NaN from step 2; the run published NaN
     weights, called them valid and exited 0. Now: exit 3 at the first non-finite step, nothing of it
     or after it published, the last good state kept.
@@ -144,7 +159,7 @@ def test_the_issue_reproduction_lr_1e4_stops_with_exit_3_at_the_first_non_finite
     on the float kernels (the same commit stops at step 2 on one machine and at step 4 on an AVX-512
     one). So the step is read from the message and everything is checked against it."""
     out = tmp_path / "out"
-    proc = run_train(out, ["optim.lr=1e4", "optim.grad_clip=0", "optim.warmup_steps=0", "budget.max_steps=6",
+    proc = run_train(runner, out, ["optim.lr=1e4", "optim.grad_clip=0", "optim.warmup_steps=0", "budget.max_steps=6",
                            "publish.every_steps=3"])
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -169,10 +184,10 @@ def test_the_issue_reproduction_lr_1e4_stops_with_exit_3_at_the_first_non_finite
         assert "no trainer state was saved before" in last and "no valid checkpoint survives" in last
 
 
-def test_a_nan_gradient_stops_before_the_update_and_a_rerun_resumes_from_the_last_good_state(tmp_path):
+def test_a_nan_gradient_stops_before_the_update_and_a_rerun_resumes_from_the_last_good_state(runner, tmp_path):
     out = tmp_path / "out"
     args = ["budget.max_steps=6", "publish.every_steps=2"]
-    proc = run_train(out, args, "nan_grad", when="n == 3")  # the 3rd step's gradient
+    proc = run_train(runner, out, args, "nan_grad", when="n == 3")  # the 3rd step's gradient
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "non-finite grad_norm at step 3" in proc.stderr
     assert f"trainer state {trainer_state.find(out)} is the last good one" in proc.stderr
@@ -182,7 +197,7 @@ def test_a_nan_gradient_stops_before_the_update_and_a_rerun_resumes_from_the_las
     assert state_step(out) == 2 and ckpt_names(out) == ["checkpoint-2"]
     assert validate_checkpoint(out / "checkpoints" / "checkpoint-2") is None
 
-    again = run_train(out, args)  # the fault is gone: the same command resumes at step 2 and finishes
+    again = run_train(runner, out, args)  # the fault is gone: the same command resumes at step 2 and finishes
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout and "step 2," in again.stdout
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
@@ -190,9 +205,9 @@ def test_a_nan_gradient_stops_before_the_update_and_a_rerun_resumes_from_the_las
     assert run_json(out)["status"] == "completed"
 
 
-def test_skip_drops_non_finite_updates_then_stops_after_too_many_in_a_row(tmp_path):
+def test_skip_drops_non_finite_updates_then_stops_after_too_many_in_a_row(runner, tmp_path):
     out = tmp_path / "out"
-    proc = run_train(out, ["budget.max_steps=8", "publish.every_steps=2", "runtime.on_nonfinite=skip",
+    proc = run_train(runner, out, ["budget.max_steps=8", "publish.every_steps=2", "runtime.on_nonfinite=skip",
                            "runtime.max_nonfinite_skips=2"], "nan_grad", when="n >= 3")
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "non-finite grad_norm at step 5" in proc.stderr and "3 steps in a row" in proc.stderr
@@ -237,9 +252,9 @@ def test_an_export_with_a_nan_tensor_is_never_written(tmp_path):
                           dtype=torch.float16, log=lambda s: None)
 
 
-def test_a_trainer_whose_export_holds_a_nan_stops_with_exit_3_and_publishes_nothing_of_it(tmp_path):
+def test_a_trainer_whose_export_holds_a_nan_stops_with_exit_3_and_publishes_nothing_of_it(runner, tmp_path):
     out = tmp_path / "out"
-    proc = run_train(out, ["budget.max_steps=4", "publish.every_steps=2"], "nan_export", when="n == 2")
+    proc = run_train(runner, out, ["budget.max_steps=4", "publish.every_steps=2"], "nan_export", when="n == 2")
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "publishing checkpoint-4" in last and "tensor model.norm.weight has NaN or infinite values" in last
@@ -388,10 +403,11 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def test_a_full_checkpoint_disk_fails_at_once_naming_the_space_and_keeps_the_previous_checkpoint(tmp_path, tmpfs):
+def test_a_full_checkpoint_disk_fails_at_once_naming_the_space_and_keeps_the_previous_checkpoint(runner, tmp_path,
+                                                                                                 tmpfs):
     out = tmp_path / "out"
     tmpfs(out / "checkpoints", _kib(1.75 * _weights_bytes()))  # one fp32 export fits, a second beside it does not
-    proc = run_train(out, ["budget.max_steps=4", "publish.every_steps=2"])
+    proc = run_train(runner, out, ["budget.max_steps=4", "publish.every_steps=2"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     m = re.search(r"publishing checkpoint-4 to .* no space left on the device for (\S+): checkpoint-4 needs about "
@@ -406,11 +422,11 @@ def test_a_full_checkpoint_disk_fails_at_once_naming_the_space_and_keeps_the_pre
     assert run_json(out)["status"] == "failed"
 
 
-def test_a_full_state_disk_keeps_the_previous_state_and_checkpoint(tmp_path, tmpfs):
+def test_a_full_state_disk_keeps_the_previous_state_and_checkpoint(runner, tmp_path, tmpfs):
     out = tmp_path / "out"
     tmpfs(out / "state", _kib(4.8 * _weights_bytes()))  # one state (~3x the weights: + Adam's two moments) fits;
     # its replacement beside it does not
-    proc = run_train(out, ["budget.max_steps=4", "publish.every_steps=2"])
+    proc = run_train(runner, out, ["budget.max_steps=4", "publish.every_steps=2"])
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     m = re.match(rf"opdkit: training failed: \[Errno {errno.ENOSPC}\] no space left on the device for (\S+): "
@@ -424,9 +440,9 @@ def test_a_full_state_disk_keeps_the_previous_state_and_checkpoint(tmp_path, tmp
     assert ckpt_names(out) == ["checkpoint-2"]
 
 
-def test_a_read_only_file_system_is_not_retried_and_says_so(tmp_path):
+def test_a_read_only_file_system_is_not_retried_and_says_so(runner, tmp_path):
     out = tmp_path / "out"
-    proc = run_train(out, ["budget.max_steps=4", "publish.every_steps=2"], "erofs_publish", when="n >= 2")
+    proc = run_train(runner, out, ["budget.max_steps=4", "publish.every_steps=2"], "erofs_publish", when="n >= 2")
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert f"{out / 'checkpoints'} is on a read-only file system: checkpoint-4 needs" in last
@@ -437,9 +453,9 @@ def test_a_read_only_file_system_is_not_retried_and_says_so(tmp_path):
 # --- out of memory ----------------------------------------------------------------------------
 
 
-def test_out_of_memory_names_the_phase_and_the_knobs_and_keeps_the_state(tmp_path):
+def test_out_of_memory_names_the_phase_and_the_knobs_and_keeps_the_state(runner, tmp_path):
     out = tmp_path / "out"
-    proc = run_train(out, ["budget.max_steps=4", "publish.every_steps=2"], "oom_score", when="n == 3")
+    proc = run_train(runner, out, ["budget.max_steps=4", "publish.every_steps=2"], "oom_score", when="n == 3")
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("opdkit: training failed: out of memory in the score phase of step 3 "
