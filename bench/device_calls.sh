@@ -58,6 +58,17 @@ static_before_after() {  # [IMPLS]: this kit's decoders (default new); the kit b
       --impls "$([ -n "$kit" ] && echo new || echo "${1:-new}")" >> "$OUT/parts.txt" 2>&1
   done
 }
+s1_run() {  # NAME STEPS SECONDS [ARGS]: S1 (bench/real_lane.py train) into $R/runs/NAME, removed once its row is written
+  local name=$1 steps=$2 secs=$3
+  shift 3
+  lim "$secs" python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "$name" --recipe s1 --steps "$steps" "$@" \
+    >> "$OUT/parts.txt" 2>&1
+  rm -rf "$R/runs/$name"
+}
+s1_1024_before_after() {  # SECONDS: S1 at 1,024 new tokens, 4 steps, of the kit before (.speed/head) and this kit
+  s1_run s1_1024_before 4 "$1" --kit .speed/head -S rollout.max_new_tokens=1024
+  s1_run s1_1024 4 "$1" -S rollout.max_new_tokens=1024
+}
 [ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ "$PHASE" = h1 ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
 case $PHASE in
   copy) ;;
@@ -73,8 +84,7 @@ case $PHASE in
       --budget-s 70 > "$OUT/attn_log.txt" 2>&1
     decoder_tests 170
     static_before_after
-    lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name s1_7168 --recipe s1 --steps 3 \
-      -S rollout.max_new_tokens=7168 >> "$OUT/parts.txt" 2>&1
+    s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
     ;;
   h3)
     decoder_tests 170
@@ -98,28 +108,19 @@ d = (a - b).abs(); print(f'recorded log-probs, kit before vs this kit: max |d| {
 {int((d > 0).sum())} of {d.numel()} differ')" > "$OUT/logp_diff.txt" 2>&1
     ;;
   p3)
-    for kit in .speed/head ""; do
-      lim 110 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_1024${kit:+_before}" --recipe s1 \
-        --steps 4 ${kit:+--kit $kit} -S rollout.max_new_tokens=1024 >> "$OUT/parts.txt" 2>&1
-      rm -rf "$R/runs/s1_1024${kit:+_before}"
-    done
+    s1_1024_before_after 110
     ;;
   p4)
     decoder_tests 170
     lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
     lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
       --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1  # the seeds' sampling: the torch sampler
-    for T in 1024 7168; do
-      lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_$T" --recipe s1 \
-        --steps $([ $T = 1024 ] && echo 4 || echo 3) -S rollout.max_new_tokens=$T >> "$OUT/parts.txt" 2>&1
-      rm -rf "$R/runs/s1_$T"
-    done
+    s1_run s1_1024 4 150 -S rollout.max_new_tokens=1024
+    s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
     ;;
   h4)
     for T in 1024 3072; do
-      lim 110 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_$T" --recipe s1 --steps 4 \
-        -S rollout.max_new_tokens=$T >> "$OUT/parts.txt" 2>&1
-      rm -rf "$R/runs/s1_$T"
+      s1_run "s1_$T" 4 110 -S rollout.max_new_tokens=$T
     done
     ;;
   g)
@@ -136,43 +137,31 @@ d = (a - b).abs(); print(f'recorded log-probs, kit before vs this kit: max |d| {
     lim 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py tests/test_decode_kernels.py \
       > "$OUT/tests.txt" 2>&1
     lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 >> "$OUT/parts.txt" 2>&1
-    for T in 1024 7168; do
-      lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_$T" --recipe s1 \
-        --steps $([ $T = 1024 ] && echo 4 || echo 3) -S rollout.max_new_tokens=$T >> "$OUT/parts.txt" 2>&1
-      rm -rf "$R/runs/s1_$T"
-    done
+    s1_run s1_1024 4 150 -S rollout.max_new_tokens=1024
+    s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
     ;;
   f1)
     decoder_tests 170
     static_before_after
     lim 60 python3 bench/s1_speed.py matmul --out "$OUT" >> "$OUT/parts.txt" 2>&1
-    for kit in .speed/head ""; do
-      lim 90 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_1024${kit:+_before}" --recipe s1 \
-        --steps 4 ${kit:+--kit $kit} -S rollout.max_new_tokens=1024 >> "$OUT/parts.txt" 2>&1
-      rm -rf "$R/runs/s1_1024${kit:+_before}"
-    done
+    s1_1024_before_after 90
     ;;
   f2)
     lim 150 python3 bench/s1_speed.py update --root "$R" --out "$OUT" --max-new-tokens 7168 >> "$OUT/parts.txt" 2>&1
-    lim 150 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name s1_7168_no_ckpt_mb2 --recipe s1 --steps 4 \
-      -S rollout.max_new_tokens=7168 -S runtime.grad_checkpointing=false -S optim.micro_batch=2 >> "$OUT/parts.txt" 2>&1
-    rm -rf "$R/runs/s1_7168_no_ckpt_mb2"
+    s1_run s1_7168_no_ckpt_mb2 4 150 -S rollout.max_new_tokens=7168 -S runtime.grad_checkpointing=false \
+      -S optim.micro_batch=2
     ;;
   g3b)
     for run in "1024 default" "1024 no_ckpt -S runtime.grad_checkpointing=false" \
                "7168 default" "7168 no_ckpt_mb2 -S runtime.grad_checkpointing=false -S optim.micro_batch=2"; do
       set -- $run; T=$1; N=$2; shift 2
-      lim 170 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_${T}_$N" --recipe s1 --steps 4 \
-        -S rollout.max_new_tokens=$T "$@" >> "$OUT/parts.txt" 2>&1
-      rm -rf "$R/runs/s1_${T}_$N"
+      s1_run "s1_${T}_$N" 4 170 -S rollout.max_new_tokens=$T "$@"
     done
     ;;
   g2)
     for T in 1024 7168; do
       for G in true false; do
-        lim 200 python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "s1_${T}_gemv_$G" --recipe s1 --steps 4 \
-          -S rollout.max_new_tokens=$T -S rollout.decode_gemv=$G >> "$OUT/parts.txt" 2>&1
-        rm -rf "$R/runs/s1_${T}_gemv_$G"
+        s1_run "s1_${T}_gemv_$G" 4 200 -S rollout.max_new_tokens=$T -S rollout.decode_gemv=$G
       done
     done
     ;;

@@ -45,6 +45,17 @@ LONGEST_FIRST = ("test_pipeline.py", "test_end_of_run.py", "test_notebooks.py", 
                  "test_rollout.py", "test_privileged_live.py", "test_scoring.py", "test_studies.py")
 
 
+@pytest.fixture(scope="module")
+def runner():
+    """``opdkit`` commands in processes forked from one that imported opdkit once (``signal_harness.OpdkitRunner``):
+    for runs that need no signal of their own (a file's reruns, injected faults)."""
+    from signal_harness import OpdkitRunner
+
+    r = OpdkitRunner()
+    yield r
+    r.close()
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order

@@ -111,14 +111,6 @@ def mark(tmp_path: Path, name: str) -> Path:
     return tmp_path / "marks" / name
 
 
-@pytest.fixture(scope="module")
-def runner():
-    """The plain reruns: ``opdkit train`` in processes forked from one that imported opdkit once (signal_harness)."""
-    r = OpdkitRunner()
-    yield r
-    r.close()
-
-
 def resume_and_finish(runner: OpdkitRunner, out: Path, *overrides: str, steps: int = 8) -> None:
     """A plain rerun resumes from what survived and ends with exit 0 and valid checkpoints, the last at ``steps``."""
     code, stdout, stderr = runner.run(train_args(out, *overrides), out.parent / "rerun")

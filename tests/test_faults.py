@@ -96,28 +96,26 @@ WHEN = lambda n: {when}
 MAIN = "\nfrom opdkit.cli import main\nraise SystemExit(main(sys.argv[1:]))\n"
 
 
+def fault_code(fault: str = "none", when: str = "False") -> str:
+    """The code that injects ``fault`` (INJECT) at the calls where ``when`` holds, run before the command."""
+    return PRELUDE.format(when=when) + textwrap.dedent(INJECT[fault])
+
+
+def train_argv(out: Path, overrides) -> list[str]:
+    return ["train", "--out", str(out), "--quiet", "-p", "none", *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
+
+
 def train_cmd(out: Path, overrides, fault: str = "none", when: str = "False") -> list[str]:
-    code = PRELUDE.format(when=when) + textwrap.dedent(INJECT[fault]) + MAIN
-    return [sys.executable, "-c", code, "train", "--out", str(out), "--quiet", "-p", "none",
-            *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
-
-
-@pytest.fixture(scope="module")
-def runner():
-    """``opdkit train`` in processes forked from one that imported opdkit once (signal_harness): the runs below
-    need no signal of their own, so each is spared the seconds of a fresh interpreter's imports."""
-    r = OpdkitRunner()
-    yield r
-    r.close()
+    return [sys.executable, "-c", fault_code(fault, when) + MAIN, *train_argv(out, overrides)]
 
 
 def run_train(runner: OpdkitRunner, out: Path, overrides, fault: str = "none",
               when: str = "False") -> subprocess.CompletedProcess:
-    """``train_cmd``'s run (its fault injected in the child before the command), in a child of ``runner``."""
-    argv = ["train", "--out", str(out), "--quiet", "-p", "none", *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
-    code = PRELUDE.format(when=when) + textwrap.dedent(INJECT[fault])
+    """``train_cmd``'s run (its fault injected in the child before the command), in a child of the warm ``runner``
+    (conftest): these runs need no signal of their own, so each is spared a fresh interpreter's imports."""
+    argv = train_argv(out, overrides)
     logs = out.parent / f"logs_{len(list(out.parent.glob('logs_*')))}"
-    status, stdout, stderr = runner.run(argv, logs, cwd=out.parent, timeout=300, code=code)
+    status, stdout, stderr = runner.run(argv, logs, cwd=out.parent, timeout=300, code=fault_code(fault, when))
     return subprocess.CompletedProcess(argv, status, stdout, stderr)
 
 

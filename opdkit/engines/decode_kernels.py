@@ -151,9 +151,8 @@ def _kernels() -> dict:
         assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
         _K = dict(rope_attn_partial=t.rope_attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
                   silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, sample_finish=t.sample_finish_kernel,
-                  rms_norm=t.rms_norm_kernel,
-                  add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel, gemv_reduce=t.gemv_reduce_kernel,
-                  gemv_reduce_add_norm=t.gemv_reduce_add_norm_kernel)
+                  rms_norm=t.rms_norm_kernel, add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel,
+                  gemv_reduce=t.gemv_reduce_kernel, gemv_reduce_add_norm=t.gemv_reduce_add_norm_kernel)
     return _K
 
 
