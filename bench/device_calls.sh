@@ -33,6 +33,9 @@
 #   p3: carry .lane .speed .v1  S1 at 1,024 new tokens, 4 steps, the kit before (.speed/head) and this kit (~3.5 min)
 #   p4: carry .lane             the decoder's GPU tests, the static decoder at 1,024 (at 1.0 / 1.0 and at the seeds'
 #                                0.6 / 0.95), S1 at 1,024 (4 steps) and 7,168 (3) (~7 min)
+#   q1: carry .lane .speed       the decoder's GPU tests; the sampling tail at 0.6 / 0.95 (torch sampler vs the nucleus
+#                                kernels); the static decoder at 1,024 at 0.6 / 0.95 (batch 8) and 0.7 / 0.9 (batch 64, the
+#                                evaluations'), the kit before (.speed/head) and this kit, and this kit at 1.0 / 1.0 (~8 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -117,6 +120,21 @@ d = (a - b).abs(); print(f'recorded log-probs, kit before vs this kit: max |d| {
       --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1  # the seeds' sampling: the torch sampler
     s1_run s1_1024 4 150 -S rollout.max_new_tokens=1024
     s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
+    ;;
+  q1)
+    decoder_tests 170
+    lim 90 python3 bench/s1_speed.py sample --out "$OUT" --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1
+    for setting in "0.6 0.95 2" "0.7 0.9 16"; do
+      set -- $setting
+      for kit in .speed/head ""; do
+        lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+          --impls new --temperature "$1" --top-p "$2" --prompts "$3" --save-logp "/tmp/logp_$1" >> "$OUT/parts.txt" 2>&1
+      done
+      lim 60 python3 -c "import torch; a, b = torch.load('/tmp/logp_$1/head_new.pt'), torch.load('/tmp/logp_$1/this_new.pt'); \
+d = (a - b).abs(); print(f'$1 / $2: recorded log-probs, kit before vs this kit: max |d| {d.max():.3e}, mean {d.mean():.3e}, \
+{int((d > 0).sum())} of {d.numel()} differ')" >> "$OUT/logp_diff.txt" 2>&1
+    done
+    lim 60 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
     ;;
   h4)
     for T in 1024 3072; do

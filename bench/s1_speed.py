@@ -160,7 +160,7 @@ def static(args) -> None:
     out, root = Path(args.out), Path(args.root)
     tok = load_tokenizer(root / "s1" / "student")
     model = AutoModelForCausalLM.from_pretrained(str(root / "s1" / "student"), dtype=torch.bfloat16).to(device).eval()
-    prompts = lane_prompts(root, tok, 2)
+    prompts = lane_prompts(root, tok, args.prompts)
     rows = [p for p in prompts for _ in range(G)]
     ids, mask = left_pad(rows, tok.pad_token_id, device)
     seeds = opd.step_seeds(0, 0, len(rows))
@@ -609,12 +609,14 @@ def sample(args) -> None:
     """The static decoder's sampling tail at batch 8 over the real vocabulary (151,936 rows, 151,665 ids), 16 steps
     in one CUDA graph, microseconds per step: before (the logits' float32 copy, ``gumbel_argmax``, the log-softmax
     and the step's writes in torch) and ``decode_kernels.sample_token`` with the Gumbel kernel's ids per program
-    and warps varied (the same ids; the log-softmax's parts summed per block)."""
+    and warps varied (the same ids; the log-softmax's parts summed per block). ``--top-p`` below 1 (at
+    ``--temperature``): before is the torch sampler the decoder used there (``policy_scores``: float64 stable sort,
+    softmax, cumulative sum, scatter), after ``sample_token`` with its nucleus search."""
     from opdkit.engines import decode_kernels as dk
-    from opdkit.engines.sampling import mask_vocab
+    from opdkit.engines.sampling import mask_vocab, policy_scores
 
     device = "cpu" if args.tiny else "cuda"
-    B, V, n_vocab, S = 8, 151936, 151665, 16
+    B, V, n_vocab, S = (2, 3000, 2900, 2) if args.tiny else (8, 151936, 151665, 16)  # --tiny: a dry run
     reps, rounds = (1, 1) if args.tiny else (20, 5)  # --tiny: a dry run under TRITON_INTERPRET=1
     raw = (torch.randn(B, V, device=device) * 4).bfloat16()
     seeds = torch.arange(1, B + 1, device=device) * 7919
@@ -625,11 +627,18 @@ def sample(args) -> None:
                 torch.zeros((B, S), device=device), torch.zeros(B, dtype=torch.int64, device=device),
                 torch.zeros(B, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.bool, device=device))
 
+    tau, top_p = args.temperature, args.top_p
+
     def before(plan, st):
         t_1, ids, logp, tok, pos, done = st
         raw32 = raw.float()
-        new = dk.gumbel_argmax(raw32, seeds, t_1, plan)
-        lp = mask_vocab(raw32, n_vocab).log_softmax(-1).gather(1, new[:, None])[:, 0]
+        if top_p < 1.0:  # the torch sampler
+            scores, logp_all = policy_scores(raw32, seeds, t_1, tau, top_p, n_vocab)
+            new = scores.argmax(-1)
+            lp = logp_all.gather(1, new[:, None])[:, 0]
+        else:
+            new = dk.gumbel_argmax(raw32, seeds, t_1, plan)
+            lp = mask_vocab(raw32 if tau == 1.0 else raw32 / tau, n_vocab).log_softmax(-1).gather(1, new[:, None])[:, 0]
         ids.index_copy_(1, t_1, new[:, None])
         logp.index_copy_(1, t_1, lp[:, None])
         done.logical_or_(torch.isin(new, eos))
@@ -643,11 +652,12 @@ def sample(args) -> None:
         t_1.add_(1)
 
     pdl = device == "cuda" and dk.pdl_available(torch.device(device))
-    variants = [("before", before, None, 4)] + [("sample_token", after, blk, w) for blk, w in
-                                                ((4096, 4), (4096, 8), (2048, 4), (1024, 4), (1024, 8), (512, 4))]
+    variants = [("before", before, None, 4)] + [("sample_token", after, blk, w) for blk, w in (
+        ((4096, 4), (4096, 8), (2048, 4), (1024, 4), (1024, 8), (512, 4)) if top_p >= 1.0 else
+        ((4096, 4), (4096, 8), (2048, 4), (2048, 8), (1024, 4), (1024, 8)))]
     results = {}
     for name, fn, block, warps in variants:
-        plan = dk.GumbelPlan(B, n_vocab, 1.0, device, pdl=pdl, block=block, warps=warps)
+        plan = dk.GumbelPlan(B, n_vocab, tau, device, pdl=pdl, block=block, warps=warps, top_p=top_p)
         st = state()
         for _ in range(2):  # compile, warm up
             fn(plan, st)
@@ -680,7 +690,8 @@ def sample(args) -> None:
         results[(name, block, warps)] = (st[1].clone(), st[2].clone())
         want_ids, want_logp = results[("before", None, 4)]
         append(Path(args.out), {"what": "sample", "variant": name, "block": block or plan.block, "warps": warps,
-                                "pdl": pdl, "us_per_step": best * 1e6, "ids_same": bool(torch.equal(st[1], want_ids)),
+                                "temperature": tau, "top_p": top_p, "pdl": pdl, "us_per_step": best * 1e6,
+                                "ids_same": bool(torch.equal(st[1], want_ids)),
                                 "max_dlogp": float((st[2] - want_logp).abs().max())})
 
 
@@ -828,8 +839,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
     ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new,nopdl")
-    ap.add_argument("--temperature", type=float, default=1.0, help="static: the sampling temperature")
-    ap.add_argument("--top-p", type=float, default=1.0, help="static: top-p (below 1: the torch sampler)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="static, sample: the sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="static, sample: top-p (below 1: the nucleus search)")
+    ap.add_argument("--prompts", type=int, default=2, help="static: prompts (rows: 4 samples of each)")
     ap.add_argument("--save-logp", default="", help="static: a folder for each decoder's recorded log-probs (.pt)")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")

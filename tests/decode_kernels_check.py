@@ -103,6 +103,29 @@ def kernels() -> None:
     dk.sample_token(raw, seeds, torch.tensor([2]), plan, torch.zeros((B, 3), dtype=torch.int64), torch.zeros((B, 3)),
                     torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64), done, want_ids[1:2])
     check("sample_token end ids", done.tolist() == [bool(i == want_ids[1]) for i in want_ids.tolist()])
+    # top-p < 1: the nucleus search against policy_scores' stable sort. Row 0's nucleus ends inside a run of 595
+    # equal logits spread over every block (+0 and -0 among them: equal), so a count off by one moves its log pi;
+    # row 1 is near-uniform (most ids in the nucleus), row 2 spread out
+    Vn = 1200
+    run = torch.zeros(Vn, dtype=torch.bool)
+    run[10::2] = True
+    row0 = torch.where(run, 0.0, -3.0)
+    row0[:4] = 2.0
+    row0[run.nonzero()[::7, 0]] = -0.0
+    raw = torch.stack([row0, torch.randn(Vn) * 0.01, torch.randn(Vn) * 3])
+    for dtype in (torch.float32, torch.bfloat16):
+        for tau, top_p in ((1.0, 0.5), (0.6, 0.95)):
+            plan = dk.GumbelPlan(B, Vn - 3, tau, "cpu", block=256, top_p=top_p)
+            ids, logp = torch.zeros((B, 2), dtype=torch.int64), torch.zeros((B, 2))
+            ok, err = True, 0.0
+            for t in (0, 1):
+                want_ids, want_logp = dk.sample_token_ref(raw.to(dtype), seeds, t, tau, Vn - 3, top_p)
+                zeros = torch.zeros(B, dtype=torch.int64)
+                dk.sample_token(raw.to(dtype), seeds, torch.tensor([t]), plan, ids, logp, zeros, zeros.clone(),
+                                torch.zeros(B, dtype=torch.bool), eos)
+                ok &= torch.equal(ids[:, t], want_ids)
+                err = max(err, float((logp[:, t] - want_logp).abs().max()))
+            check(f"sample_token top_p={top_p} tau={tau} {dtype}", ok and err < 2e-6, f"max log-prob err {err:.1e}")
 
 
 def decoder() -> None:

@@ -253,6 +253,60 @@ def test_decode_kernels_in_bf16_equal_their_references():
             assert torch.equal(done, want_ids == eos), (tau, t)
 
 
+def test_nucleus_sampling_kernels_equal_the_torch_sampler_at_the_real_vocabulary():
+    """At top-p < 1, ``sample_token`` (the nucleus search, then the Gumbel kernel over the nucleus) picks the id the
+    torch sampler (``policy_scores``: float64 stable sort, softmax, cumulative sum) picks from the bf16 logits at
+    the real vocabulary, and records its log pi within float32 rounding: a spread-out row, a peaked one (a nucleus
+    of a few ids) and a near-uniform one whose bf16 logits tie in long runs (the nucleus ends inside one), in a
+    CUDA graph as the decoder replays it, at the seeds' and the evaluations' settings."""
+    from opdkit.engines import decode_kernels as dk
+    from opdkit.engines.sampling import sample_seed
+
+    torch.manual_seed(0)
+    B, V, n_vocab = 8, 151936, 151665
+    seeds = torch.tensor([sample_seed(0, 2, i) for i in range(B)], device="cuda")
+    scale = torch.tensor([4.0, 4.0, 12.0, 12.0, 0.05, 0.05, 1.0, 1.0], device="cuda")[:, None]
+    for tau, top_p in ((0.6, 0.95), (0.7, 0.9), (1.0, 0.95), (1.1, 0.5)):
+        plan = dk.GumbelPlan(B, n_vocab, tau, "cuda", pdl=dk.pdl_available("cuda"), top_p=top_p)
+        raw = (torch.randn(B, V, device="cuda") * scale).bfloat16()
+        ids, logp = _replayed_samples(raw, seeds, plan, 12)
+        for t in range(ids.shape[1]):
+            want_ids, want_logp = dk.sample_token_ref(raw, seeds, torch.tensor(t, device="cuda"), tau, n_vocab, top_p)
+            assert torch.equal(ids[:, t], want_ids), (tau, top_p, t)
+            assert (logp[:, t] - want_logp).abs().max() < 1e-5, (tau, top_p, t)
+
+
+def _replayed_samples(raw_B_V, seeds_B, plan, T: int):
+    """``sample_token`` at t = 0 .. T-1 from the same logits, one step captured in a CUDA graph and replayed T times:
+    the ids (B, T) and log-probs (B, T) it wrote."""
+    from opdkit.engines import decode_kernels as dk
+
+    B, cuda = raw_B_V.shape[0], dict(device="cuda")
+    t_1, ids, logp = torch.zeros(1, dtype=torch.int64, **cuda), torch.zeros((B, T), dtype=torch.int64, **cuda), \
+        torch.zeros((B, T), **cuda)
+    tok, pos = torch.zeros(B, dtype=torch.int64, **cuda), torch.zeros(B, dtype=torch.int64, **cuda)
+    done, eos = torch.zeros(B, dtype=torch.bool, **cuda), torch.tensor([151643], **cuda)
+
+    def step():
+        dk.sample_token(raw_B_V, seeds_B, t_1, plan, ids, logp, tok, pos, done, eos)
+        t_1.add_(1)
+
+    step()  # compile
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(g):
+        step()
+    t_1.zero_()
+    for _ in range(T):
+        g.replay()
+    torch.cuda.synchronize()
+    return ids, logp
+
+
 def test_gemv_kernels_in_bf16_round_as_their_references_at_the_real_shape():
     """The decode projections' GEMV kernels (each configuration ``gemv_config`` picks at the 1.5B shape, split
     or not) against the float32-accumulated reference: within one bf16 rounding of each output, two for

@@ -20,7 +20,10 @@ token index, the attention span) from device tensors, so one CUDA graph serves e
   the tokenizer's ids of ``z / τ + Gumbel(seed, t, id)`` in float64, the noise hashed in-kernel
   (``engines.sampling.uniform_noise``'s splitmix64), ~40 elementwise kernels over (B, V) -> 1 + a
   small argmax; ``sample_token``: that id, its float32 log π (the log-softmax's parts computed in the
-  same pass over the logits, merged by a second kernel) and the step's writes, in 2 kernels.
+  same pass over the logits, merged by a second kernel) and the step's writes, in 2 kernels; at top-p < 1
+  after a search of the nucleus (``nucleus_level_kernel``: a radix select, 4 bits of the logits' sort key a
+  pass, of the key where the nucleus ends, the float64 mass above each candidate summed per block; its ties
+  cut in id order as ``engines.sampling.top_p_filter``'s stable sort cuts them).
 
 Shapes: B rows, H query heads, K = Hkv key/value heads, G = H / K, D head dim, L cache slots, V
 vocabulary, X = (H + 2K) D the fused q/k/v width, I the MLP width. The references define the
@@ -150,7 +153,8 @@ def _kernels() -> dict:
         assert UNIFORM_BITS == 52 and _GOLDEN + (1 << 64) == 0x9E3779B97F4A7C15  # the constants written there
         assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
         _K = dict(rope_attn_partial=t.rope_attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
-                  silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, sample_finish=t.sample_finish_kernel,
+                  silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, nucleus_level=t.nucleus_level_kernel,
+                  sample_finish=t.sample_finish_kernel,
                   rms_norm=t.rms_norm_kernel, add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel,
                   gemv_reduce=t.gemv_reduce_kernel, gemv_reduce_add_norm=t.gemv_reduce_add_norm_kernel)
     return _K
@@ -256,13 +260,15 @@ class GumbelPlan:
     """Preallocated per-block maxima and log-softmax parts for ``gumbel_argmax`` / ``sample_token`` over V ids in
     blocks of BLOCK; ``pdl`` as in ``AttentionPlan``. BLOCK 1,024 ids with 4 warps: ``sample_token`` took 17.9 us per
     step at batch 8 over 151,665 ids on an H200 (2026-12-03, ``bench/s1_speed.py sample``), against 33.7 at 4,096
-    (the float64 Gumbel noise of 38 programs per row hid too little latency), 20.8 at 2,048 and 17.3 at 512."""
+    (the float64 Gumbel noise of 38 programs per row hid too little latency), 20.8 at 2,048 and 17.3 at 512.
+    ``top_p`` < 1 (``sample_token`` only): also the buffers of the nucleus search (``nucleus_level_kernel``)."""
 
     BLOCK = 1024
+    SUB = 128  # the ids a nucleus pass takes at a time
 
     def __init__(self, B: int, n_vocab: int, temperature: float, device, pdl: bool = False, block: int | None = None,
-                 warps: int = 4):
-        self.n_vocab, self.temperature, self.pdl = n_vocab, float(temperature), pdl
+                 warps: int = 4, top_p: float = 1.0):
+        self.n_vocab, self.temperature, self.top_p, self.pdl = n_vocab, float(temperature), float(top_p), pdl
         self.block, self.warps = block or self.BLOCK, warps  # the ids per program and its warps (the same samples)
         self.nblk = -(-n_vocab // self.block)
         self.val = torch.empty((B, self.nblk), dtype=torch.float64, device=device)
@@ -272,41 +278,69 @@ class GumbelPlan:
         self.tau_1 = torch.full((1,), self.temperature, dtype=torch.float64, device=device)
         # torch divides a CUDA float32 tensor by a Python float as a product with its float32 reciprocal
         self.inv_tau = float(torch.tensor(1.0) / torch.tensor(self.temperature, dtype=torch.float32))
+        self.nucleus = self.top_p < 1.0
+        n = (B, self.nblk) if self.nucleus else (1, 1)  # the search's state (unread at top-p 1)
+        self.p_1 = torch.full((1,), self.top_p, dtype=torch.float64, device=device)
+        self.bmax = torch.empty(n, dtype=torch.float64, device=device)  # each block's largest z
+        self.mass = torch.empty((2, *n, 16), dtype=torch.float64, device=device)  # a pass's partials (by parity)
+        self.cnt = torch.empty((2, *n, 16), dtype=torch.int32, device=device)
+        self.zval = torch.empty((*n, 16), dtype=torch.float64, device=device)  # the last pass's z of each key
+        self.zsum = torch.empty(n[:1], dtype=torch.float64, device=device)  # Z: the sum of exp(z - M)
+        self.pkey = torch.empty((2, n[0]), dtype=torch.int64, device=device)  # the key prefix found so far
+        self.pabove = torch.empty((2, n[0]), dtype=torch.float64, device=device)  # the mass above it
 
 
-def _gumbel_blocks(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> None:
+def _gumbel_blocks(raw_B_V, seeds_B, t_1, plan: GumbelPlan, nucleus: bool = False) -> None:
+    """``gumbel_kernel`` over the blocks (after the nucleus search's passes where ``nucleus``)."""
     k = _kernels()
-    k["gumbel"][(raw_B_V.shape[0], plan.nblk)](
+    B = raw_B_V.shape[0]
+    key_bits = 16 if raw_B_V.element_size() == 2 else 32
+    nbp = _next_pow2(plan.nblk)
+    search = (plan.p_1, plan.bmax, plan.mass, plan.cnt, plan.zval, plan.zsum, plan.pkey, plan.pabove)
+    tempered = plan.temperature != 1.0
+    if nucleus:
+        if raw_B_V.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"sample_token at top-p < 1: bfloat16 or float32 logits expected, not {raw_B_V.dtype}")
+        for level in range(key_bits // 4):
+            k["nucleus_level"][(B, plan.nblk)](
+                raw_B_V, plan.tau_1, *search, plan.n_vocab, raw_B_V.stride(0), B, LEVEL=level,
+                KEY_BITS=key_bits, NBLK=plan.nblk, NBP=nbp, BLOCK=plan.block, SUB=min(plan.SUB, plan.block),
+                TEMPERED=tempered, num_warps=plan.warps, **_pdl(plan.pdl))
+    k["gumbel"][(B, plan.nblk)](
         raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.m, plan.s, plan.n_vocab, raw_B_V.stride(0),
-        plan.inv_tau, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=plan.temperature != 1.0, num_warps=plan.warps,
-        **_pdl(plan.pdl))
+        plan.inv_tau, *search, B, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=tempered, NUCLEUS=nucleus,
+        KEY_BITS=key_bits, NBP=nbp, num_warps=plan.warps, **_pdl(plan.pdl))
 
 
 def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
     """``gumbel_argmax_ref`` at ``plan.temperature`` (float32 or bfloat16 ``raw_B_V``; ``t_1`` a 1-element int64
-    device tensor)."""
+    device tensor). Top-p 1 only (the plan's top-p is not read)."""
     _gumbel_blocks(raw_B_V, seeds_B, t_1, plan)
     best_B = plan.val.argmax(-1, keepdim=True)
     return plan.idx.gather(1, best_B)[:, 0]
 
 
-def sample_token_ref(raw_B_V, seeds_B, t, temperature: float, n_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The id ``policy_scores`` samples at top-p 1 (B,) and its recorded log π (B,) float32."""
+def sample_token_ref(raw_B_V, seeds_B, t, temperature: float, n_vocab: int,
+                     top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The id ``policy_scores`` samples (B,) and its recorded log π (B,) float32."""
     from opdkit.engines.sampling import policy_scores
 
-    scores_B_V, logp_B_V = policy_scores(raw_B_V.float(), seeds_B, t, temperature, 1.0, n_vocab)
+    scores_B_V, logp_B_V = policy_scores(raw_B_V.float(), seeds_B, t, temperature, top_p, n_vocab)
     new_B = scores_B_V.argmax(-1)
     return new_B, logp_B_V.gather(1, new_B[:, None])[:, 0]
 
 
 def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok_B, pos_B, done_B, eos_E) -> None:
-    """One sampling step of the static decoder at top-p 1, in 2 kernels: ``sample_token_ref``'s id (the same) and
-    log π (its float32 log-softmax summed in another order: within a few float32 ulps) written into column ``t``
-    (``t_1``'s value) of ``ids_B_T`` / ``logp_B_T``, the id into ``tok_B``, ``pos_B`` advanced by one, ``done_B``
-    (bool) set where the id is in ``eos_E``. Replaces ~15 kernels: the logits' float32 copy, the log-softmax, the
-    argmax over blocks, the gathers, the writes and the end test."""
+    """One sampling step of the static decoder at ``plan.temperature`` and ``plan.top_p``: ``sample_token_ref``'s id
+    (the same) and log π (its float32 log-softmax summed in another order: within a few float32 ulps) written into
+    column ``t`` (``t_1``'s value) of ``ids_B_T`` / ``logp_B_T``, the id into ``tok_B``, ``pos_B`` advanced by one,
+    ``done_B`` (bool) set where the id is in ``eos_E``. 2 kernels at top-p 1, replacing ~15: the logits' float32
+    copy, the log-softmax, the argmax over blocks, the gathers, the writes and the end test. At top-p < 1 first the
+    nucleus search (``nucleus_level_kernel``: 4 passes over bfloat16 logits, 8 over float32), replacing the torch
+    sampler's float64 stable sort, softmax, cumulative sum and scatter over every row: the same nucleus except
+    where the mass before an id is within float64 rounding of p (the sums run in another order)."""
     B = raw_B_V.shape[0]
-    _gumbel_blocks(raw_B_V, seeds_B, t_1, plan)
+    _gumbel_blocks(raw_B_V, seeds_B, t_1, plan, nucleus=plan.nucleus)
     _kernels()["sample_finish"][(B,)](
         raw_B_V, plan.val, plan.idx, plan.m, plan.s, t_1, eos_E, eos_E.numel(), ids_B_T, logp_B_T, tok_B, pos_B,
         done_B.view(torch.uint8), raw_B_V.stride(0), ids_B_T.stride(0), plan.inv_tau, NBLK=plan.nblk,

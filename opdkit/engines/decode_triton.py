@@ -153,17 +153,150 @@ def _mix64(z):  # engines.sampling._mix64 on uint64 (logical shifts, products mo
     return z ^ (z >> 31)
 
 @triton.jit
+def _order_key(raw, KEY_BITS: tl.constexpr):
+    """The sort key (int64) of finite logits ``raw``, bfloat16 (KEY_BITS 16) or float32 (32), from their bits: larger
+    for a larger value, equal for equal values (-0 as +0), in [0, 2**KEY_BITS)."""
+    if KEY_BITS == 16:
+        bits = raw.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
+    else:
+        bits = raw.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    top: tl.constexpr = 1 << (KEY_BITS - 1)  # the sign bit
+    full: tl.constexpr = (1 << KEY_BITS) - 1
+    bits = tl.where(bits == top, 0, bits)  # -0 -> +0
+    return tl.where(bits >= top, full - bits, bits + top)  # negative: the larger the magnitude, the smaller the key
+
+
+@triton.jit
+def _nucleus_digit(b, LEVEL: tl.constexpr, bmax_ptr, mass_ptr, cnt_ptr, zsum_ptr, pkey_ptr, pabove_ptr, p, B,
+                   NBLK: tl.constexpr, NBP: tl.constexpr):
+    """Row b's nucleus search after its pass at LEVEL - 1 (``nucleus_level_kernel``): the largest digit d (4 bits)
+    under the key prefix found so far whose entries are not all outside the nucleus, i.e. the smallest key range
+    whose mass above it is below p Z. Returns (M: the largest z, Z: the sum of exp(z - M), the prefix of LEVEL
+    digits, the mass above it, each block's count of entries with that prefix (NBP,)). The masses are float64
+    sums in another order than torch's cumulative sum: the same nucleus except where the mass before an id is
+    within float64 rounding of p Z."""
+    jj = tl.arange(0, NBP)
+    jm = jj < NBLK
+    cc = tl.arange(0, 16)
+    bm = tl.load(bmax_ptr + b * NBLK + jj, mask=jm, other=float("-inf"))
+    M = tl.max(bm, 0)
+    par: tl.constexpr = (LEVEL - 1) % 2
+    at = ((par * B + b) * NBLK + jj[:, None]) * 16 + cc[None, :]
+    part = tl.load(mass_ptr + at, mask=jm[:, None], other=0.0)
+    cnts_j = tl.load(cnt_ptr + at, mask=jm[:, None], other=0)
+    if LEVEL == 1:  # the first pass's masses are relative to each block's largest z
+        bins = tl.sum(part * tl.exp(bm - M)[:, None], 0)
+        Z = tl.sum(bins, 0)
+        above = tl.sum(tl.where(cc[None, :] > cc[:, None], bins[None, :], 0.0), 1)
+        prefix = tl.zeros([16], tl.int64)
+    else:
+        bins = tl.sum(part, 0)
+        Z = tl.load(zsum_ptr + b)
+        above = tl.load(pabove_ptr + par * B + b) + tl.sum(tl.where(cc[None, :] > cc[:, None], bins[None, :], 0.0), 1)
+        prefix = tl.zeros([16], tl.int64) + tl.load(pkey_ptr + par * B + b)
+    ok = (tl.sum(cnts_j, 0) > 0) & (above < p * Z)  # the digit's ids not all outside: at least its first is in
+    digit = tl.min(tl.where(ok, cc, 16), 0)  # the smallest such digit (the top one always qualifies)
+    key = tl.sum(tl.where(cc == digit, prefix * 16 + cc, 0), 0)
+    return M, Z, key, tl.sum(tl.where(cc == digit, above, 0.0), 0), tl.sum(tl.where(cc[None, :] == digit, cnts_j, 0), 1)
+
+
+@triton.jit
+def nucleus_level_kernel(raw_ptr, tau_ptr, p_ptr, bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, zsum_ptr, pkey_ptr,
+                         pabove_ptr, n_vocab, stride_raw, B, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr,
+                         NBLK: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                         TEMPERED: tl.constexpr, PDL: tl.constexpr):
+    """Pass LEVEL of row b's top-p nucleus search (a radix select over the sort keys, 4 bits a pass, most
+    significant first), block j of BLOCK ids: for each value d of digit LEVEL, the float64 mass sum(exp(z - ref))
+    and the count of the block's ids whose key has the prefix found by the passes before and digit d (z = raw / τ
+    in float64 as ``policy_logits``; ref: the block's largest z at LEVEL 0, the row's after); at the last level
+    also each digit's z. LEVEL > 0 first finishes the search of LEVEL - 1 from its partials (every program the
+    same; program 0 stores it for the next pass)."""
+    _pdl_enter(PDL)
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    cc = tl.arange(0, 16)
+    LAST: tl.constexpr = LEVEL == KEY_BITS // 4 - 1
+    SHIFT: tl.constexpr = KEY_BITS - 4 * (LEVEL + 1)  # this pass's digit
+    row = raw_ptr + b * stride_raw
+    if LEVEL == 0:
+        mx = tl.full([SUB], float("-inf"), tl.float64)
+        for i in range(0, BLOCK // SUB):
+            v = j * BLOCK + i * SUB + tl.arange(0, SUB)
+            z = tl.load(row + v, mask=v < n_vocab, other=0.0).to(tl.float32).to(tl.float64)
+            if TEMPERED:
+                z = z / tl.load(tau_ptr)
+            mx = tl.maximum(mx, tl.where(v < n_vocab, z, float("-inf")))
+        ref = tl.max(mx, 0)
+        tl.store(bmax_ptr + b * NBLK + j, ref)
+        prefix = 0
+    else:
+        ref, Z, prefix, above, _ = _nucleus_digit(b, LEVEL, bmax_ptr, mass_ptr, cnt_ptr, zsum_ptr, pkey_ptr,
+                                                  pabove_ptr, tl.load(p_ptr), B, NBLK, NBP)
+        if j == 0:  # the search so far, for the next pass (parity LEVEL: the one this pass read stays intact)
+            tl.store(pkey_ptr + (LEVEL % 2) * B + b, prefix)
+            tl.store(pabove_ptr + (LEVEL % 2) * B + b, above)
+            if LEVEL == 1:
+                tl.store(zsum_ptr + b, Z)
+    acc_m = tl.zeros([SUB, 16], tl.float64)
+    acc_c = tl.zeros([SUB, 16], tl.int32)
+    acc_z = tl.full([SUB, 16], float("-inf"), tl.float64)
+    for i in range(0, BLOCK // SUB):
+        v = j * BLOCK + i * SUB + tl.arange(0, SUB)
+        valid = v < n_vocab
+        raw = tl.load(row + v, mask=valid, other=0.0)
+        key = _order_key(raw, KEY_BITS)
+        z = raw.to(tl.float32).to(tl.float64)
+        if TEMPERED:
+            z = z / tl.load(tau_ptr)
+        match = valid & ((key >> (SHIFT + 4)) == prefix)
+        hit = match[:, None] & (((key >> SHIFT) & 15)[:, None] == cc[None, :])
+        acc_m += tl.where(hit, tl.exp(z - ref)[:, None], 0.0)
+        acc_c += hit.to(tl.int32)
+        if LAST:
+            acc_z = tl.maximum(acc_z, tl.where(hit, z[:, None], float("-inf")))
+    at = (((LEVEL % 2) * B + b) * NBLK + j) * 16 + cc
+    tl.store(mass_ptr + at, tl.sum(acc_m, 0))
+    tl.store(cnt_ptr + at, tl.sum(acc_c, 0))
+    if LAST:
+        tl.store(zval_ptr + (b * NBLK + j) * 16 + cc, tl.max(acc_z, 0))
+
+
+@triton.jit
 def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, n_vocab, stride_raw, inv_tau,
-                  NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
+                  p_ptr, bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, zsum_ptr, pkey_ptr, pabove_ptr, B,
+                  NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr, NUCLEUS: tl.constexpr,
+                  KEY_BITS: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr):
     """One block of BLOCK ids of row b: the largest float64 ``raw / τ + Gumbel`` and its id (``val``, ``idx``), and
     the block's part of the float32 log-softmax of ``raw * (1 / τ)`` (``m``: its largest value, ``s``: the sum of
-    ``exp(z - m)``), over the ids below n_vocab. ``raw`` float32 or bfloat16 (read as its exact float values)."""
+    ``exp(z - m)``), over the ids below n_vocab. ``raw`` float32 or bfloat16 (read as its exact float values).
+    NUCLEUS (top-p < 1, after ``nucleus_level_kernel``'s passes; the p_ptr ... pabove_ptr buffers unread without
+    it): over the ids of the nucleus only. It ends the search: the key k of the nucleus's least probable ids and
+    how many of them it holds, n = ceil((p Z - mass above k) / exp(z_k - M)), taken in id order (the lower id
+    first, as ``engines.sampling.top_p_filter``'s stable sort)."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     v = j * BLOCK + tl.arange(0, BLOCK)
     valid = v < n_vocab
-    raw = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0).to(tl.float32)
+    raw_x = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0)
+    raw = raw_x.to(tl.float32)
+    keep = valid
+    if NUCLEUS:
+        NLEV: tl.constexpr = KEY_BITS // 4
+        p = tl.load(p_ptr)
+        M, Z, kstar, above, cnt_j = _nucleus_digit(b, NLEV, bmax_ptr, mass_ptr, cnt_ptr, zsum_ptr, pkey_ptr,
+                                                   pabove_ptr, p, B, NBLK, NBP)
+        jj = tl.arange(0, NBP)
+        zk = tl.max(tl.load(zval_ptr + (b * NBLK + jj) * 16 + (kstar & 15), mask=jj < NBLK,
+                            other=float("-inf")), 0)
+        n_group = tl.sum(cnt_j, 0)
+        q = tl.minimum((p * Z - above) / tl.exp(zk - M), n_group.to(tl.float64))
+        n_in = q.to(tl.int64)
+        n_in = tl.maximum(tl.where(n_in.to(tl.float64) < q, n_in + 1, n_in), 1)  # ceil: ids i = 0, 1, .. below q
+        okey = _order_key(raw_x, KEY_BITS)
+        tie = valid & (okey == kstar)
+        rank = tl.sum(tl.where(jj < j, cnt_j, 0), 0) + tl.cumsum(tie.to(tl.int32), 0) - 1  # among the tied ids
+        keep = valid & ((okey > kstar) | (tie & (rank < n_in)))
     z = raw.to(tl.float64)
     z32 = raw
     if TEMPERED:
@@ -175,15 +308,15 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s
     bits = _mix64(key + v.to(tl.uint64) * 0x9E3779B97F4A7C15)
     u = ((bits >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16  # (k + 1/2) 2**-52, k the top 52 bits
     gum = -tl.log(-tl.log(u))
-    score = tl.where(valid, z + gum, float("-inf"))
+    score = tl.where(keep, z + gum, float("-inf"))
     best = tl.max(score, 0)
     at = tl.argmax(score, 0)
     tl.store(val_ptr + b * NBLK + j, best)
     tl.store(idx_ptr + b * NBLK + j, (j * BLOCK + at).to(tl.int64))
-    z32 = tl.where(valid, z32, float("-inf"))
+    z32 = tl.where(keep, z32, float("-inf"))
     m = tl.max(z32, 0)
     tl.store(m_ptr + b * NBLK + j, m)
-    tl.store(s_ptr + b * NBLK + j, tl.sum(tl.where(valid, tl.exp(z32 - m), 0.0), 0))
+    tl.store(s_ptr + b * NBLK + j, tl.sum(tl.where(keep, tl.exp(z32 - m), 0.0), 0))
 
 
 @triton.jit

@@ -23,11 +23,12 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   add + the next RMSNorm; at up to 16 rows the projections are the kit's GEMV kernels
   (``gemv`` / ``rollout.decode_gemv``; else cuBLAS and a separate silu * up; the norms stay their own
   kernels: folded into the projections, each program re-reading the rows before streaming its weights,
-  the step measured 9% slower on an H200); sampling at top-p 1 is
+  the step measured 9% slower on an H200); sampling is
   two kernels (``decode_kernels.sample_token``): the hashing Gumbel-argmax and the log-softmax's parts over
   blocks of ids, then their merge with the step's writes (the id, its log π, the next input, the position,
-  the end test). On Hopper and later the
-  kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
+  the end test); at top-p < 1 after the nucleus search (4 passes over the bf16 logits: a radix select of the
+  nucleus's last key, its ties cut in id order), not the torch sampler's float64 sort of every row. On Hopper
+  and later the kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
   launch overlaps the kernel before it, and every kernel waits for that one to finish before its first store
   and before it reads anything an earlier kernel wrote, so no result changes (``pdl=False`` launches them
   one after the other).
@@ -204,8 +205,8 @@ class _Session:
         self.pdl = dec.kernels and dec.pdl  # each kernel's launch overlaps the one before (no result changes)
         if dec.kernels:
             self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev, pdl=self.pdl)
-            fast_sampling = temperature > 0 and top_p >= 1.0
-            self.gumbel_plan = dk.GumbelPlan(B, dec.vocab, temperature, dev, pdl=self.pdl) if fast_sampling else None
+            self.gumbel_plan = (dk.GumbelPlan(B, dec.vocab, temperature, dev, pdl=self.pdl, top_p=top_p)
+                                if temperature > 0 else None)  # greedy: the torch sampler
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
 
@@ -303,7 +304,7 @@ class StaticDecoder:
 
     def _sample(self, s: _Session, raw_B_V, t):
         """The sampled ids (B,) and their log π (B,) from raw logits (B, V) fp32 at token index ``t``."""
-        if s.kernels and s.gumbel_plan is not None:  # top-p 1: one hashing Gumbel-argmax kernel
+        if s.kernels and s.gumbel_plan is not None and not s.gumbel_plan.nucleus:  # top-p 1: one Gumbel-argmax kernel
             new_B = dk.gumbel_argmax(raw_B_V, s.seeds_B, t, s.gumbel_plan)
             z_B_V = raw_B_V if s.temperature == 1.0 else raw_B_V / s.temperature
             logp_B_V = mask_vocab(z_B_V, self.n_vocab).log_softmax(dim=-1)  # = policy_scores' at top-p 1
@@ -321,7 +322,8 @@ class StaticDecoder:
         for i, (f, next_norm) in enumerate(zip(self.layers, norms)):
             h_B_H, x_B_H = self._layer(s, i, f, h_B_H, x_B_H, next_norm)
         raw_B_V = self.gen.lm_head(x_B_H)
-        if s.kernels and s.gumbel_plan is not None:  # top-p 1: the sample, its log π and the step's writes
+        if s.kernels and s.gumbel_plan is not None:  # the sample (top-p < 1: the nucleus search first), its log π and
+            # the step's writes
             dk.sample_token(raw_B_V, s.seeds_B, s.t_1, s.gumbel_plan, s.out_ids_B_T, s.out_logp_B_T, s.tok_B,
                             s.pos_B, s.done_B, s.eos_E)
         else:
