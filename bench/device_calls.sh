@@ -36,6 +36,8 @@
 #   q1: carry .lane .speed       the decoder's GPU tests; the sampling tail at 0.6 / 0.95 (torch sampler vs the nucleus
 #                                kernels); the static decoder at 1,024 at 0.6 / 0.95 (batch 8) and 0.7 / 0.9 (batch 64, the
 #                                evaluations'), the kit before (.speed/head) and this kit, and this kit at 1.0 / 1.0 (~8 min)
+#   q2: carry .lane              the GPU test of runtime.checkpoint_keep_attention; S1 at 7,168 (3 steps) by default and
+#                                with it; at 1,024 (4 steps) with it (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -135,6 +137,13 @@ d = (a - b).abs(); print(f'$1 / $2: recorded log-probs, kit before vs this kit: 
 {int((d > 0).sum())} of {d.numel()} differ')" >> "$OUT/logp_diff.txt" 2>&1
     done
     lim 60 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    ;;
+  q2)
+    lim 100 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "keeping or bf16_step" \
+      > "$OUT/tests.txt" 2>&1
+    s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
+    s1_run s1_7168_keep_attn 3 150 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_attention=true
+    s1_run s1_1024_keep_attn 4 110 -S rollout.max_new_tokens=1024 -S runtime.checkpoint_keep_attention=true
     ;;
   h4)
     for T in 1024 3072; do

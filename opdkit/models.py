@@ -161,3 +161,34 @@ def model_rows(model) -> dict[str, int]:
     """Rows of a loaded model's input and output embeddings."""
     return {"input": model.get_input_embeddings().weight.shape[0],
             "output": model.get_output_embeddings().weight.shape[0]}
+
+
+# the attention ops whose outputs ``enable_checkpointing`` keeps: torch's variable-length flash attention (packed rows,
+# opdkit.packing) and sdpa's kernels
+ATTENTION_OPS = ("torch_attn._varlen_attn", "aten._scaled_dot_product_flash_attention",
+                 "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+                 "aten._scaled_dot_product_flash_attention_for_cpu")
+
+
+def keep_attention_policy(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing's policy: save the attention ops' outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if str(op).rsplit(".", 1)[0] in ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def enable_checkpointing(model, keep_attention: bool) -> None:
+    """HF gradient checkpointing of ``model``'s layers (non-reentrant); with ``keep_attention`` each layer's
+    attention output is saved by the forward and reused by the recompute (torch's selective activation
+    checkpointing with ``keep_attention_policy``): the same values, one attention forward less per layer for
+    the memory of its output (tokens x hidden in bf16, and the log-sum-exp, per layer)."""
+    kwargs = {"use_reentrant": False}
+    if keep_attention:
+        import functools
+
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_attention_policy)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

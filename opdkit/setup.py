@@ -21,7 +21,7 @@ from opdkit import loss_table, offline, pairs, rewards, teachers
 from opdkit.config import Config
 from opdkit.data import Example, encode_prompt
 from opdkit.engines import vllm_teacher
-from opdkit.models import compute_dtype, load_model, pick_device, setup_torch
+from opdkit.models import compute_dtype, enable_checkpointing, load_model, pick_device, setup_torch
 from opdkit.pairs import Inputs, use_shared_vocab
 from opdkit.sharding import reshard
 
@@ -164,7 +164,8 @@ def build_run(cfg: Config, inputs: Inputs, log=print) -> Run:
     vocab_models = {"student model": (inputs.student_path, student)}
     use_shared_vocab(tok, vocab_models, log=lambda _: None)  # before LoRA and any copy of the student
     if cfg.runtime.grad_checkpointing:  # every training forward passes use_cache=False itself: the config
-        student.gradient_checkpointing_enable()  # (published with each checkpoint) stays the source student's
+        enable_checkpointing(student, cfg.runtime.checkpoint_keep_attention)  # (published with each checkpoint)
+        # stays the source student's
     if cfg.lora.enabled:
         student = _wrap_lora(cfg, student)
     student.train()

@@ -180,6 +180,28 @@ def test_bf16_step_with_and_without_gradient_checkpointing(tok):
     assert sum(float(g.abs().sum()) for g in g1.values()) > 0
 
 
+def test_keeping_the_attention_outputs_saves_the_varlen_flash_attention(tok):
+    """runtime.checkpoint_keep_attention on CUDA in bf16: the packed forward's variable-length flash attention
+    (torch_attn._varlen_attn) is what the policy saves, and the gradients equal full recomputation's within
+    flash attention's own run-to-run variation (its backward sums with atomics)."""
+    import test_packing
+    from opdkit.engines.base import left_pad
+    from opdkit.scoring import build_geometry
+
+    torch.manual_seed(0)
+    model = _small(len(tok), "qwen2", layers=2, seed=0).train()
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
+    pid, pmask = left_pad(prompts, tok.pad_token_id, "cuda")
+    geo = build_geometry(pid, pmask, torch.randint(5, 30, (2, 40), device="cuda"), torch.ones(2, 40, device="cuda"))
+    seen_full, seen_kept = [], []
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        full = test_packing._packed_grads(model, geo, False, seen_full)
+        kept = test_packing._packed_grads(model, geo, True, seen_kept)
+    assert seen_full == [] and len(seen_kept) >= 2 and all("varlen" in op for op in seen_kept), seen_kept
+    for n in full:
+        assert torch.allclose(full[n], kept[n], rtol=1e-2, atol=1e-5), n
+
+
 def test_chunked_logprobs_bound_the_memory():
     """B x T x V fp32 never exists at once: peak extra memory follows the chunk, not T."""
     from opdkit.scoring import token_logprobs

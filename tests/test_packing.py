@@ -61,3 +61,47 @@ def test_a_completion_with_a_gap_is_refused(tok):
     geo = build_geometry(pid, pmask, torch.tensor([[5, 6, 7]]), cmask)
     with pytest.raises(ValueError, match="gap"):
         packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S, geo.prompt_width, 3)
+
+
+def _packed_grads(model, geo, keep_attention: bool, seen: list) -> dict:
+    """Gradients of a packed forward / backward of ``model`` under gradient checkpointing, keeping the attention
+    outputs or not (models.enable_checkpointing); ``seen`` collects the ops the policy was asked to save."""
+    from opdkit import models
+
+    def recording(ctx, op, *args, **kwargs):
+        decision = models.keep_attention_policy(ctx, op, *args, **kwargs)
+        if str(decision).endswith("MUST_SAVE"):
+            seen.append(str(op))
+        return decision
+
+    model.gradient_checkpointing_disable()
+    original = models.keep_attention_policy
+    models.keep_attention_policy = recording
+    try:
+        models.enable_checkpointing(model, keep_attention)
+    finally:
+        models.keep_attention_policy = original
+    model.zero_grad()
+    h = packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S, geo.prompt_width,
+                              geo.completion_len)
+    (h * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_keeping_the_attention_outputs_under_checkpointing_gives_the_same_gradients(tok):
+    """runtime.checkpoint_keep_attention: each layer's attention output is saved by the forward and not recomputed
+    (torch's selective activation checkpointing), the gradients bit for bit those of full recomputation."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id))
+    model.train()
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
+    pid, pmask = left_pad(prompts, tok.pad_token_id)
+    geo = build_geometry(pid, pmask, torch.randint(5, 30, (2, 7)), torch.ones(2, 7))
+    seen_full, seen_kept = [], []
+    full = _packed_grads(model, geo, False, seen_full)
+    kept = _packed_grads(model, geo, True, seen_kept)
+    assert seen_full == [] and len(seen_kept) >= 2 * 2  # each row's attention in each layer: saved, not recomputed
+    assert full.keys() == kept.keys() and len(full) > 10
+    for n in full:
+        assert torch.equal(full[n], kept[n]), n
