@@ -38,6 +38,9 @@
 #                                evaluations'), the kit before (.speed/head) and this kit, and this kit at 1.0 / 1.0 (~8 min)
 #   q2: carry .lane              the GPU test of runtime.checkpoint_keep_attention; S1 at 7,168 (3 steps) by default and
 #                                with it; at 1,024 (4 steps) with it (~6 min)
+#   q3: carry .lane .speed       the sampling kernels' GPU tests; the sampling tail at 0.6 / 0.95 over launch settings;
+#                                the static decoder at 1,024, 0.6 / 0.95 (batch 8) and 0.7 / 0.9 (batch 64), the kit before
+#                                (.speed/head) and this kit with its default and the fastest settings (~7 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -144,6 +147,24 @@ d = (a - b).abs(); print(f'$1 / $2: recorded log-probs, kit before vs this kit: 
     s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
     s1_run s1_7168_keep_attn 3 150 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_attention=true
     s1_run s1_1024_keep_attn 4 110 -S rollout.max_new_tokens=1024 -S runtime.checkpoint_keep_attention=true
+    ;;
+  q3)
+    lim 100 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "nucleus or keeping or \
+decode_kernels or graph_replay" > "$OUT/tests.txt" 2>&1
+    lim 100 python3 bench/s1_speed.py sample --out "$OUT" --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1
+    BEST=$(python3 -c "import json; r = [json.loads(l) for l in open('$OUT/results.jsonl')]; \
+r = min((x for x in r if x.get('variant') == 'sample_token'), key=lambda x: x['us_per_step']); \
+print(f\"{r['block']},{r['warps']},{r['sub']}\")")
+    echo "fastest nucleus settings: $BEST" >> "$OUT/calls.txt"
+    for setting in "0.6 0.95 2" "0.7 0.9 16"; do
+      set -- $setting
+      lim 80 env SPEED_KIT=.speed/head python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+        --impls new --temperature "$1" --top-p "$2" --prompts "$3" >> "$OUT/parts.txt" 2>&1
+      for plan in "" "$BEST"; do
+        lim 80 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
+          --temperature "$1" --top-p "$2" --prompts "$3" --plan "$plan" >> "$OUT/parts.txt" 2>&1
+      done
+    done
     ;;
   h4)
     for T in 1024 3072; do

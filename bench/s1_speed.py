@@ -157,6 +157,10 @@ def static(args) -> None:
     from opdkit.models import load_tokenizer
 
     device = "cpu" if args.tiny else "cuda"
+    if args.plan:  # the sampling kernels' launch settings (the same samples)
+        from opdkit.engines import decode_kernels as dk
+
+        dk.GumbelPlan.BLOCK, dk.GumbelPlan.NUCLEUS_WARPS, dk.GumbelPlan.SUB = (int(x) for x in args.plan.split(","))
     out, root = Path(args.out), Path(args.root)
     tok = load_tokenizer(root / "s1" / "student")
     model = AutoModelForCausalLM.from_pretrained(str(root / "s1" / "student"), dtype=torch.bfloat16).to(device).eval()
@@ -173,7 +177,7 @@ def static(args) -> None:
         impls = {"main": (_load_static(args.static_main), {}), **impls}
     for name, (mod, kw_dec) in impls.items():
         res = {"what": "static", "impl": name, "max_new_tokens": T, "batch": len(rows), "temperature": args.temperature,
-               "top_p": args.top_p}
+               "top_p": args.top_p, "plan": args.plan}
         try:
             dec = mod.StaticDecoder(model, n_vocab=len(tok), **kw_dec)
             kw = dict(temperature=args.temperature, top_p=args.top_p, eos_ids=[-1])  # no EOS: every row runs to the cap
@@ -652,12 +656,14 @@ def sample(args) -> None:
         t_1.add_(1)
 
     pdl = device == "cuda" and dk.pdl_available(torch.device(device))
-    variants = [("before", before, None, 4)] + [("sample_token", after, blk, w) for blk, w in (
-        ((4096, 4), (4096, 8), (2048, 4), (1024, 4), (1024, 8), (512, 4)) if top_p >= 1.0 else
-        ((4096, 4), (4096, 8), (2048, 4), (2048, 8), (1024, 4), (1024, 8)))]
+    variants = [("before", before, None, 4, None)] + [("sample_token", after, blk, w, sub) for blk, w, sub in (
+        ((4096, 4, None), (4096, 8, None), (2048, 4, None), (1024, 4, None), (1024, 8, None), (512, 4, None))
+        if top_p >= 1.0 else  # the nucleus search's passes: ids per program, warps, ids at a time
+        ((1024, 4, 128), (1024, 4, 64), (1024, 8, 128), (1024, 2, 64), (2048, 8, 128), (2048, 4, 64),
+         (512, 4, 128), (512, 2, 64)))]
     results = {}
-    for name, fn, block, warps in variants:
-        plan = dk.GumbelPlan(B, n_vocab, tau, device, pdl=pdl, block=block, warps=warps, top_p=top_p)
+    for name, fn, block, warps, sub in variants:
+        plan = dk.GumbelPlan(B, n_vocab, tau, device, pdl=pdl, block=block, warps=warps, top_p=top_p, sub=sub)
         st = state()
         for _ in range(2):  # compile, warm up
             fn(plan, st)
@@ -687,11 +693,11 @@ def sample(args) -> None:
             best = min(best, (sync(device) - t0) / (reps * S))
         st[0].zero_()
         run()
-        results[(name, block, warps)] = (st[1].clone(), st[2].clone())
-        want_ids, want_logp = results[("before", None, 4)]
+        results[(name, block, warps, sub)] = (st[1].clone(), st[2].clone())
+        want_ids, want_logp = results[("before", None, 4, None)]
         append(Path(args.out), {"what": "sample", "variant": name, "block": block or plan.block, "warps": warps,
-                                "temperature": tau, "top_p": top_p, "pdl": pdl, "us_per_step": best * 1e6,
-                                "ids_same": bool(torch.equal(st[1], want_ids)),
+                                "sub": plan.sub, "temperature": tau, "top_p": top_p, "pdl": pdl,
+                                "us_per_step": best * 1e6, "ids_same": bool(torch.equal(st[1], want_ids)),
                                 "max_dlogp": float((st[2] - want_logp).abs().max())})
 
 
@@ -842,6 +848,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="static, sample: the sampling temperature")
     ap.add_argument("--top-p", type=float, default=1.0, help="static, sample: top-p (below 1: the nucleus search)")
     ap.add_argument("--prompts", type=int, default=2, help="static: prompts (rows: 4 samples of each)")
+    ap.add_argument("--plan", default="", help="static: BLOCK,NUCLEUS_WARPS,SUB of this kit's GumbelPlan")
     ap.add_argument("--save-logp", default="", help="static: a folder for each decoder's recorded log-probs (.pt)")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")

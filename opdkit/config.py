@@ -290,7 +290,7 @@ class RuntimeConfig:
     grad_checkpointing: bool = False
     # Under grad_checkpointing: keep each layer's attention output (flash attention's result and log-sum-exp) from
     # the forward instead of recomputing it in the backward (models.enable_checkpointing); the same gradients
-    checkpoint_keep_attention: bool = False
+    checkpoint_keep_attention: bool = True
     logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab
     # Score and train each sequence on its own, trimmed of its pads: attention then runs causal with
     # no mask (flash kernels) instead of a masked kernel over the padded S x S square. For long

@@ -84,7 +84,7 @@ def _packed_grads(model, geo, keep_attention: bool, seen: list) -> dict:
     model.zero_grad()
     h = packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S, geo.prompt_width,
                               geo.completion_len)
-    (h * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+    (h * torch.linspace(-1, 1, h.shape[-1], device=h.device)).sum().backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -154,6 +154,7 @@ def _kernels() -> dict:
         assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
         _K = dict(rope_attn_partial=t.rope_attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
                   silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, nucleus_level=t.nucleus_level_kernel,
+                  nucleus_digit=t.nucleus_digit_kernel,
                   sample_finish=t.sample_finish_kernel,
                   rms_norm=t.rms_norm_kernel, add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel,
                   gemv_reduce=t.gemv_reduce_kernel, gemv_reduce_add_norm=t.gemv_reduce_add_norm_kernel)
@@ -264,12 +265,18 @@ class GumbelPlan:
     ``top_p`` < 1 (``sample_token`` only): also the buffers of the nucleus search (``nucleus_level_kernel``)."""
 
     BLOCK = 1024
+    WARPS = 4
+    NUCLEUS_WARPS = 8
     SUB = 128  # the ids a nucleus pass takes at a time
 
     def __init__(self, B: int, n_vocab: int, temperature: float, device, pdl: bool = False, block: int | None = None,
-                 warps: int = 4, top_p: float = 1.0):
+                 warps: int | None = None, top_p: float = 1.0, sub: int | None = None):
         self.n_vocab, self.temperature, self.top_p, self.pdl = n_vocab, float(temperature), float(top_p), pdl
-        self.block, self.warps = block or self.BLOCK, warps  # the ids per program and its warps (the same samples)
+        self.nucleus = self.top_p < 1.0
+        # ids per program, warps (the same samples); the nucleus search's passes ran fastest with 8 warps (H200,
+        # 2026-12-03: 411 us per sampling step at batch 8 against 522 with 4)
+        self.block, self.warps = block or self.BLOCK, warps or (self.NUCLEUS_WARPS if self.nucleus else self.WARPS)
+        self.sub = min(sub or self.SUB, self.block)
         self.nblk = -(-n_vocab // self.block)
         self.val = torch.empty((B, self.nblk), dtype=torch.float64, device=device)
         self.idx = torch.empty((B, self.nblk), dtype=torch.int64, device=device)
@@ -278,38 +285,40 @@ class GumbelPlan:
         self.tau_1 = torch.full((1,), self.temperature, dtype=torch.float64, device=device)
         # torch divides a CUDA float32 tensor by a Python float as a product with its float32 reciprocal
         self.inv_tau = float(torch.tensor(1.0) / torch.tensor(self.temperature, dtype=torch.float32))
-        self.nucleus = self.top_p < 1.0
-        n = (B, self.nblk) if self.nucleus else (1, 1)  # the search's state (unread at top-p 1)
+        n = (B, self.nblk) if self.nucleus else (1, 1)  # the search's buffers (unread at top-p 1)
         self.p_1 = torch.full((1,), self.top_p, dtype=torch.float64, device=device)
         self.bmax = torch.empty(n, dtype=torch.float64, device=device)  # each block's largest z
-        self.mass = torch.empty((2, *n, 16), dtype=torch.float64, device=device)  # a pass's partials (by parity)
-        self.cnt = torch.empty((2, *n, 16), dtype=torch.int32, device=device)
+        self.mass = torch.empty((*n, 16), dtype=torch.float64, device=device)  # a pass's partials
+        self.cnt = torch.empty((*n, 16), dtype=torch.int32, device=device)
         self.zval = torch.empty((*n, 16), dtype=torch.float64, device=device)  # the last pass's z of each key
-        self.zsum = torch.empty(n[:1], dtype=torch.float64, device=device)  # Z: the sum of exp(z - M)
-        self.pkey = torch.empty((2, n[0]), dtype=torch.int64, device=device)  # the key prefix found so far
-        self.pabove = torch.empty((2, n[0]), dtype=torch.float64, device=device)  # the mass above it
+        self.state = torch.empty((n[0], 3), dtype=torch.float64, device=device)  # M, Z, the mass above the prefix
+        self.skey = torch.empty((n[0], 2), dtype=torch.int64, device=device)  # the key prefix, n
+        self.offs = torch.empty(n, dtype=torch.int32, device=device)  # the ids of key k before each block
 
 
 def _gumbel_blocks(raw_B_V, seeds_B, t_1, plan: GumbelPlan, nucleus: bool = False) -> None:
-    """``gumbel_kernel`` over the blocks (after the nucleus search's passes where ``nucleus``)."""
+    """``gumbel_kernel`` over the blocks (after the nucleus search where ``nucleus``: 2 kernels a pass)."""
     k = _kernels()
     B = raw_B_V.shape[0]
     key_bits = 16 if raw_B_V.element_size() == 2 else 32
-    nbp = _next_pow2(plan.nblk)
-    search = (plan.p_1, plan.bmax, plan.mass, plan.cnt, plan.zval, plan.zsum, plan.pkey, plan.pabove)
     tempered = plan.temperature != 1.0
     if nucleus:
         if raw_B_V.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"sample_token at top-p < 1: bfloat16 or float32 logits expected, not {raw_B_V.dtype}")
-        for level in range(key_bits // 4):
+        levels = key_bits // 4
+        for level in range(levels):
             k["nucleus_level"][(B, plan.nblk)](
-                raw_B_V, plan.tau_1, *search, plan.n_vocab, raw_B_V.stride(0), B, LEVEL=level,
-                KEY_BITS=key_bits, NBLK=plan.nblk, NBP=nbp, BLOCK=plan.block, SUB=min(plan.SUB, plan.block),
-                TEMPERED=tempered, num_warps=plan.warps, **_pdl(plan.pdl))
+                raw_B_V, plan.tau_1, plan.bmax, plan.mass, plan.cnt, plan.zval, plan.state, plan.skey, plan.n_vocab,
+                raw_B_V.stride(0), LEVEL=level, KEY_BITS=key_bits, NBLK=plan.nblk, BLOCK=plan.block,
+                SUB=plan.sub, TEMPERED=tempered, num_warps=plan.warps, **_pdl(plan.pdl))
+            k["nucleus_digit"][(B,)](
+                plan.bmax, plan.mass, plan.cnt, plan.zval, plan.p_1, plan.state, plan.skey, plan.offs,
+                LEVEL=level + 1, LAST=level + 1 == levels, NBLK=plan.nblk, NBP=_next_pow2(plan.nblk), num_warps=4,
+                **_pdl(plan.pdl))
     k["gumbel"][(B, plan.nblk)](
         raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.m, plan.s, plan.n_vocab, raw_B_V.stride(0),
-        plan.inv_tau, *search, B, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=tempered, NUCLEUS=nucleus,
-        KEY_BITS=key_bits, NBP=nbp, num_warps=plan.warps, **_pdl(plan.pdl))
+        plan.inv_tau, plan.skey, plan.offs, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=tempered, NUCLEUS=nucleus,
+        KEY_BITS=key_bits, num_warps=plan.warps, **_pdl(plan.pdl))
 
 
 def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
@@ -336,7 +345,8 @@ def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok
     column ``t`` (``t_1``'s value) of ``ids_B_T`` / ``logp_B_T``, the id into ``tok_B``, ``pos_B`` advanced by one,
     ``done_B`` (bool) set where the id is in ``eos_E``. 2 kernels at top-p 1, replacing ~15: the logits' float32
     copy, the log-softmax, the argmax over blocks, the gathers, the writes and the end test. At top-p < 1 first the
-    nucleus search (``nucleus_level_kernel``: 4 passes over bfloat16 logits, 8 over float32), replacing the torch
+    nucleus search (``nucleus_level_kernel`` and ``nucleus_digit_kernel``: 4 passes over bfloat16 logits, 8 over
+    float32), replacing the torch
     sampler's float64 stable sort, softmax, cumulative sum and scatter over every row: the same nucleus except
     where the mass before an id is within float64 rounding of p (the sums run in another order)."""
     B = raw_B_V.shape[0]

@@ -167,50 +167,67 @@ def _order_key(raw, KEY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _nucleus_digit(b, LEVEL: tl.constexpr, bmax_ptr, mass_ptr, cnt_ptr, zsum_ptr, pkey_ptr, pabove_ptr, p, B,
-                   NBLK: tl.constexpr, NBP: tl.constexpr):
-    """Row b's nucleus search after its pass at LEVEL - 1 (``nucleus_level_kernel``): the largest digit d (4 bits)
-    under the key prefix found so far whose entries are not all outside the nucleus, i.e. the smallest key range
-    whose mass above it is below p Z. Returns (M: the largest z, Z: the sum of exp(z - M), the prefix of LEVEL
-    digits, the mass above it, each block's count of entries with that prefix (NBP,)). The masses are float64
-    sums in another order than torch's cumulative sum: the same nucleus except where the mass before an id is
-    within float64 rounding of p Z."""
+def nucleus_digit_kernel(bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, p_ptr, state_ptr, skey_ptr, offs_ptr,
+                         LEVEL: tl.constexpr, LAST: tl.constexpr, NBLK: tl.constexpr, NBP: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Row b's nucleus search after ``nucleus_level_kernel``'s pass at LEVEL - 1: the largest digit d (4 bits) under
+    the key prefix found so far whose ids are not all outside the nucleus (the mass above its first id below p Z),
+    from the pass's per-block partials. Stores the row's state: ``state`` (B, 3) float64 = (M: the largest z, Z:
+    the sum of exp(z - M), the mass above the new prefix), ``skey`` (B, 2) int64 = (the prefix of LEVEL digits,
+    n). LAST (the prefix is a whole key k, the nucleus's least probable ids): n = ceil((p Z - mass above k) /
+    exp(z_k - M)) of the ids of key k are in the nucleus (the lower ids first, as
+    ``engines.sampling.top_p_filter``'s stable sort keeps them), and ``offs`` (B, NBLK) int32: the ids of key k in
+    the blocks before each block. The masses are float64 sums in another order than torch's cumulative sum: the
+    same nucleus except where the mass before an id is within float64 rounding of p Z."""
+    _pdl_enter(PDL)
+    b = tl.program_id(0)
     jj = tl.arange(0, NBP)
     jm = jj < NBLK
     cc = tl.arange(0, 16)
-    bm = tl.load(bmax_ptr + b * NBLK + jj, mask=jm, other=float("-inf"))
-    M = tl.max(bm, 0)
-    par: tl.constexpr = (LEVEL - 1) % 2
-    at = ((par * B + b) * NBLK + jj[:, None]) * 16 + cc[None, :]
+    at = (b * NBLK + jj[:, None]) * 16 + cc[None, :]
     part = tl.load(mass_ptr + at, mask=jm[:, None], other=0.0)
     cnts_j = tl.load(cnt_ptr + at, mask=jm[:, None], other=0)
+    p = tl.load(p_ptr)
     if LEVEL == 1:  # the first pass's masses are relative to each block's largest z
+        bm = tl.load(bmax_ptr + b * NBLK + jj, mask=jm, other=float("-inf"))
+        M = tl.max(bm, 0)
         bins = tl.sum(part * tl.exp(bm - M)[:, None], 0)
         Z = tl.sum(bins, 0)
         above = tl.sum(tl.where(cc[None, :] > cc[:, None], bins[None, :], 0.0), 1)
         prefix = tl.zeros([16], tl.int64)
     else:
         bins = tl.sum(part, 0)
-        Z = tl.load(zsum_ptr + b)
-        above = tl.load(pabove_ptr + par * B + b) + tl.sum(tl.where(cc[None, :] > cc[:, None], bins[None, :], 0.0), 1)
-        prefix = tl.zeros([16], tl.int64) + tl.load(pkey_ptr + par * B + b)
-    ok = (tl.sum(cnts_j, 0) > 0) & (above < p * Z)  # the digit's ids not all outside: at least its first is in
+        M = tl.load(state_ptr + b * 3)
+        Z = tl.load(state_ptr + b * 3 + 1)
+        above = tl.load(state_ptr + b * 3 + 2) + tl.sum(tl.where(cc[None, :] > cc[:, None], bins[None, :], 0.0), 1)
+        prefix = tl.zeros([16], tl.int64) + tl.load(skey_ptr + b * 2)
+    ok = (tl.sum(cnts_j, 0) > 0) & (above < p * Z)  # the digit's first id is in the nucleus
     digit = tl.min(tl.where(ok, cc, 16), 0)  # the smallest such digit (the top one always qualifies)
     key = tl.sum(tl.where(cc == digit, prefix * 16 + cc, 0), 0)
-    return M, Z, key, tl.sum(tl.where(cc == digit, above, 0.0), 0), tl.sum(tl.where(cc[None, :] == digit, cnts_j, 0), 1)
+    above_d = tl.sum(tl.where(cc == digit, above, 0.0), 0)
+    tl.store(state_ptr + b * 3, M)
+    tl.store(state_ptr + b * 3 + 1, Z)
+    tl.store(state_ptr + b * 3 + 2, above_d)
+    tl.store(skey_ptr + b * 2, key)
+    if LAST:
+        cnt_j = tl.sum(tl.where(cc[None, :] == digit, cnts_j, 0), 1)  # each block's ids of key k
+        zk = tl.max(tl.load(zval_ptr + (b * NBLK + jj) * 16 + digit, mask=jm, other=float("-inf")), 0)
+        q = tl.minimum((p * Z - above_d) / tl.exp(zk - M), tl.sum(cnt_j, 0).to(tl.float64))
+        n_in = q.to(tl.int64)
+        n_in = tl.maximum(tl.where(n_in.to(tl.float64) < q, n_in + 1, n_in), 1)  # ceil: ids i = 0, 1, .. below q
+        tl.store(skey_ptr + b * 2 + 1, n_in)
+        tl.store(offs_ptr + b * NBLK + jj, tl.cumsum(cnt_j, 0) - cnt_j, mask=jm)
 
 
 @triton.jit
-def nucleus_level_kernel(raw_ptr, tau_ptr, p_ptr, bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, zsum_ptr, pkey_ptr,
-                         pabove_ptr, n_vocab, stride_raw, B, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr,
-                         NBLK: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-                         TEMPERED: tl.constexpr, PDL: tl.constexpr):
+def nucleus_level_kernel(raw_ptr, tau_ptr, bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, state_ptr, skey_ptr, n_vocab,
+                         stride_raw, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr, NBLK: tl.constexpr,
+                         BLOCK: tl.constexpr, SUB: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
     """Pass LEVEL of row b's top-p nucleus search (a radix select over the sort keys, 4 bits a pass, most
-    significant first), block j of BLOCK ids: for each value d of digit LEVEL, the float64 mass sum(exp(z - ref))
-    and the count of the block's ids whose key has the prefix found by the passes before and digit d (z = raw / τ
-    in float64 as ``policy_logits``; ref: the block's largest z at LEVEL 0, the row's after); at the last level
-    also each digit's z. LEVEL > 0 first finishes the search of LEVEL - 1 from its partials (every program the
-    same; program 0 stores it for the next pass)."""
+    significant first; ``nucleus_digit_kernel`` picks each digit), block j of BLOCK ids: for each value d of digit
+    LEVEL, the float64 mass sum(exp(z - ref)) and the count of the block's ids whose key has the prefix found so
+    far and digit d (z = raw / τ in float64 as ``policy_logits``; ref: the block's largest z at LEVEL 0, stored,
+    else the row's); at the last level also each digit's z (all its ids have the same z)."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -230,13 +247,8 @@ def nucleus_level_kernel(raw_ptr, tau_ptr, p_ptr, bmax_ptr, mass_ptr, cnt_ptr, z
         tl.store(bmax_ptr + b * NBLK + j, ref)
         prefix = 0
     else:
-        ref, Z, prefix, above, _ = _nucleus_digit(b, LEVEL, bmax_ptr, mass_ptr, cnt_ptr, zsum_ptr, pkey_ptr,
-                                                  pabove_ptr, tl.load(p_ptr), B, NBLK, NBP)
-        if j == 0:  # the search so far, for the next pass (parity LEVEL: the one this pass read stays intact)
-            tl.store(pkey_ptr + (LEVEL % 2) * B + b, prefix)
-            tl.store(pabove_ptr + (LEVEL % 2) * B + b, above)
-            if LEVEL == 1:
-                tl.store(zsum_ptr + b, Z)
+        ref = tl.load(state_ptr + b * 3)
+        prefix = tl.load(skey_ptr + b * 2)
     acc_m = tl.zeros([SUB, 16], tl.float64)
     acc_c = tl.zeros([SUB, 16], tl.int32)
     acc_z = tl.full([SUB, 16], float("-inf"), tl.float64)
@@ -254,25 +266,22 @@ def nucleus_level_kernel(raw_ptr, tau_ptr, p_ptr, bmax_ptr, mass_ptr, cnt_ptr, z
         acc_c += hit.to(tl.int32)
         if LAST:
             acc_z = tl.maximum(acc_z, tl.where(hit, z[:, None], float("-inf")))
-    at = (((LEVEL % 2) * B + b) * NBLK + j) * 16 + cc
+    at = (b * NBLK + j) * 16 + cc
     tl.store(mass_ptr + at, tl.sum(acc_m, 0))
     tl.store(cnt_ptr + at, tl.sum(acc_c, 0))
     if LAST:
-        tl.store(zval_ptr + (b * NBLK + j) * 16 + cc, tl.max(acc_z, 0))
+        tl.store(zval_ptr + at, tl.max(acc_z, 0))
 
 
 @triton.jit
 def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, n_vocab, stride_raw, inv_tau,
-                  p_ptr, bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, zsum_ptr, pkey_ptr, pabove_ptr, B,
-                  NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr, NUCLEUS: tl.constexpr,
-                  KEY_BITS: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr):
+                  skey_ptr, offs_ptr, NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr,
+                  NUCLEUS: tl.constexpr, KEY_BITS: tl.constexpr, PDL: tl.constexpr):
     """One block of BLOCK ids of row b: the largest float64 ``raw / τ + Gumbel`` and its id (``val``, ``idx``), and
     the block's part of the float32 log-softmax of ``raw * (1 / τ)`` (``m``: its largest value, ``s``: the sum of
     ``exp(z - m)``), over the ids below n_vocab. ``raw`` float32 or bfloat16 (read as its exact float values).
-    NUCLEUS (top-p < 1, after ``nucleus_level_kernel``'s passes; the p_ptr ... pabove_ptr buffers unread without
-    it): over the ids of the nucleus only. It ends the search: the key k of the nucleus's least probable ids and
-    how many of them it holds, n = ceil((p Z - mass above k) / exp(z_k - M)), taken in id order (the lower id
-    first, as ``engines.sampling.top_p_filter``'s stable sort)."""
+    NUCLEUS (top-p < 1, after the nucleus search; ``skey``, ``offs`` unread without it): over the ids of the
+    nucleus only: those of keys above k and the first n of key k in id order (``nucleus_digit_kernel``)."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -282,21 +291,11 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s
     raw = raw_x.to(tl.float32)
     keep = valid
     if NUCLEUS:
-        NLEV: tl.constexpr = KEY_BITS // 4
-        p = tl.load(p_ptr)
-        M, Z, kstar, above, cnt_j = _nucleus_digit(b, NLEV, bmax_ptr, mass_ptr, cnt_ptr, zsum_ptr, pkey_ptr,
-                                                   pabove_ptr, p, B, NBLK, NBP)
-        jj = tl.arange(0, NBP)
-        zk = tl.max(tl.load(zval_ptr + (b * NBLK + jj) * 16 + (kstar & 15), mask=jj < NBLK,
-                            other=float("-inf")), 0)
-        n_group = tl.sum(cnt_j, 0)
-        q = tl.minimum((p * Z - above) / tl.exp(zk - M), n_group.to(tl.float64))
-        n_in = q.to(tl.int64)
-        n_in = tl.maximum(tl.where(n_in.to(tl.float64) < q, n_in + 1, n_in), 1)  # ceil: ids i = 0, 1, .. below q
+        kstar = tl.load(skey_ptr + b * 2)
         okey = _order_key(raw_x, KEY_BITS)
         tie = valid & (okey == kstar)
-        rank = tl.sum(tl.where(jj < j, cnt_j, 0), 0) + tl.cumsum(tie.to(tl.int32), 0) - 1  # among the tied ids
-        keep = valid & ((okey > kstar) | (tie & (rank < n_in)))
+        rank = tl.load(offs_ptr + b * NBLK + j) + tl.cumsum(tie.to(tl.int32), 0) - 1  # among the ids of key k
+        keep = valid & ((okey > kstar) | (tie & (rank < tl.load(skey_ptr + b * 2 + 1))))
     z = raw.to(tl.float64)
     z32 = raw
     if TEMPERED:
