@@ -41,6 +41,8 @@
 #   q3: carry .lane .speed       the sampling kernels' GPU tests; the sampling tail at 0.6 / 0.95 over launch settings;
 #                                the static decoder at 1,024, 0.6 / 0.95 (batch 8) and 0.7 / 0.9 (batch 64), the kit before
 #                                (.speed/head) and this kit with its default and the fastest settings (~7 min)
+#   q4: carry .lane              (a short call) the static decoder at 1,024 at 0.6 / 0.95 (batch 8); the sampling kernels'
+#                                GPU test; the sampling tail at 0.6 / 0.95; the decoder at 0.7 / 0.9, batch 64 (~4 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -154,7 +156,7 @@ decode_kernels or graph_replay" > "$OUT/tests.txt" 2>&1
     lim 100 python3 bench/s1_speed.py sample --out "$OUT" --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1
     BEST=$(python3 -c "import json; r = [json.loads(l) for l in open('$OUT/results.jsonl')]; \
 r = min((x for x in r if x.get('variant') == 'sample_token'), key=lambda x: x['us_per_step']); \
-print(f\"{r['block']},{r['warps']},{r['sub']}\")")
+print(f\"{r['block']},{r['warps']}\")")
     echo "fastest nucleus settings: $BEST" >> "$OUT/calls.txt"
     for setting in "0.6 0.95 2" "0.7 0.9 16"; do
       set -- $setting
@@ -165,6 +167,15 @@ print(f\"{r['block']},{r['warps']},{r['sub']}\")")
           --temperature "$1" --top-p "$2" --prompts "$3" --plan "$plan" >> "$OUT/parts.txt" 2>&1
       done
     done
+    ;;
+  q4)
+    lim 70 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
+      --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1
+    lim 60 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "nucleus or decode_kernels" \
+      > "$OUT/tests.txt" 2>&1
+    lim 50 python3 bench/s1_speed.py sample --out "$OUT" --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1
+    lim 70 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
+      --temperature 0.7 --top-p 0.9 --prompts 16 >> "$OUT/parts.txt" 2>&1
     ;;
   h4)
     for T in 1024 3072; do

@@ -160,7 +160,7 @@ def static(args) -> None:
     if args.plan:  # the sampling kernels' launch settings (the same samples)
         from opdkit.engines import decode_kernels as dk
 
-        dk.GumbelPlan.BLOCK, dk.GumbelPlan.NUCLEUS_WARPS, dk.GumbelPlan.SUB = (int(x) for x in args.plan.split(","))
+        dk.GumbelPlan.BLOCK, dk.GumbelPlan.WARPS = (int(x) for x in args.plan.split(","))
     out, root = Path(args.out), Path(args.root)
     tok = load_tokenizer(root / "s1" / "student")
     model = AutoModelForCausalLM.from_pretrained(str(root / "s1" / "student"), dtype=torch.bfloat16).to(device).eval()
@@ -656,14 +656,11 @@ def sample(args) -> None:
         t_1.add_(1)
 
     pdl = device == "cuda" and dk.pdl_available(torch.device(device))
-    variants = [("before", before, None, 4, None)] + [("sample_token", after, blk, w, sub) for blk, w, sub in (
-        ((4096, 4, None), (4096, 8, None), (2048, 4, None), (1024, 4, None), (1024, 8, None), (512, 4, None))
-        if top_p >= 1.0 else  # the nucleus search's passes: ids per program, warps, ids at a time
-        ((1024, 4, 128), (1024, 4, 64), (1024, 8, 128), (1024, 2, 64), (2048, 8, 128), (2048, 4, 64),
-         (512, 4, 128), (512, 2, 64)))]
+    variants = [("before", before, None, 4)] + [("sample_token", after, blk, w) for blk, w in
+                                                ((4096, 4), (4096, 8), (2048, 4), (1024, 4), (1024, 8), (512, 4))]
     results = {}
-    for name, fn, block, warps, sub in variants:
-        plan = dk.GumbelPlan(B, n_vocab, tau, device, pdl=pdl, block=block, warps=warps, top_p=top_p, sub=sub)
+    for name, fn, block, warps in variants:
+        plan = dk.GumbelPlan(B, n_vocab, tau, device, pdl=pdl, block=block, warps=warps, top_p=top_p)
         st = state()
         for _ in range(2):  # compile, warm up
             fn(plan, st)
@@ -693,10 +690,10 @@ def sample(args) -> None:
             best = min(best, (sync(device) - t0) / (reps * S))
         st[0].zero_()
         run()
-        results[(name, block, warps, sub)] = (st[1].clone(), st[2].clone())
-        want_ids, want_logp = results[("before", None, 4, None)]
+        results[(name, block, warps)] = (st[1].clone(), st[2].clone())
+        want_ids, want_logp = results[("before", None, 4)]
         append(Path(args.out), {"what": "sample", "variant": name, "block": block or plan.block, "warps": warps,
-                                "sub": plan.sub, "temperature": tau, "top_p": top_p, "pdl": pdl,
+                                "temperature": tau, "top_p": top_p, "pdl": pdl,
                                 "us_per_step": best * 1e6, "ids_same": bool(torch.equal(st[1], want_ids)),
                                 "max_dlogp": float((st[2] - want_logp).abs().max())})
 
@@ -848,7 +845,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="static, sample: the sampling temperature")
     ap.add_argument("--top-p", type=float, default=1.0, help="static, sample: top-p (below 1: the nucleus search)")
     ap.add_argument("--prompts", type=int, default=2, help="static: prompts (rows: 4 samples of each)")
-    ap.add_argument("--plan", default="", help="static: BLOCK,NUCLEUS_WARPS,SUB of this kit's GumbelPlan")
+    ap.add_argument("--plan", default="", help="static: BLOCK,WARPS of this kit's GumbelPlan")
     ap.add_argument("--save-logp", default="", help="static: a folder for each decoder's recorded log-probs (.pt)")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")

@@ -12,8 +12,6 @@ triton = pytest.importorskip("triton")
 
 BF, F32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
 F64 = "*fp64"
-# the nucleus search's buffers (decode_kernels.GumbelPlan), in the kernels' order
-NUCLEUS = dict(bmax_ptr=F64, mass_ptr=F64, cnt_ptr="*i32", zval_ptr=F64, state_ptr=F64, skey_ptr=I64)
 
 # kernel: (its arguments' types, its constexprs at the 1.5B shape, batch 8)
 KERNELS = {
@@ -36,17 +34,18 @@ KERNELS = {
     "silu_mul_kernel": (dict(gu_ptr=BF, out_ptr=BF, inter=I32, stride_gu=I32), dict(BLOCK=1024)),
     "gumbel_kernel": (dict(raw_ptr=BF, seeds_ptr=I64, t_ptr=I64, tau_ptr=F64, val_ptr=F64, idx_ptr=I64,
                            m_ptr=F32, s_ptr=F32, n_vocab=I32, stride_raw=I32, inv_tau="fp32", skey_ptr=I64,
-                           offs_ptr="*i32"), dict(NBLK=149, BLOCK=1024, TEMPERED=True, NUCLEUS=False, KEY_BITS=16)),
+                           ties_ptr="*i32"), dict(NBLK=149, BLOCK=1024, TEMPERED=True, NUCLEUS=False, NBP=256)),
     "gumbel_kernel/nucleus": (dict(raw_ptr=BF, seeds_ptr=I64, t_ptr=I64, tau_ptr=F64, val_ptr=F64, idx_ptr=I64,
                                    m_ptr=F32, s_ptr=F32, n_vocab=I32, stride_raw=I32, inv_tau="fp32", skey_ptr=I64,
-                                   offs_ptr="*i32"), dict(NBLK=149, BLOCK=1024, TEMPERED=True, NUCLEUS=True,
-                                                          KEY_BITS=16)),
-    **{f"nucleus_level_kernel/{level}": (
-        dict(raw_ptr=BF, tau_ptr=F64, **NUCLEUS, n_vocab=I32, stride_raw=I32),
-        dict(LEVEL=level, KEY_BITS=16, NBLK=149, BLOCK=1024, SUB=128, TEMPERED=True)) for level in (0, 1, 3)},
-    **{f"nucleus_digit_kernel/{level}": (
-        dict(bmax_ptr=F64, mass_ptr=F64, cnt_ptr="*i32", zval_ptr=F64, p_ptr=F64, state_ptr=F64, skey_ptr=I64,
-             offs_ptr="*i32"), dict(LEVEL=level, LAST=level == 4, NBLK=149, NBP=256)) for level in (1, 2, 4)},
+                                   ties_ptr="*i32"), dict(NBLK=149, BLOCK=1024, TEMPERED=True, NUCLEUS=True, NBP=256)),
+    "nucleus_hist_kernel": (dict(raw_ptr=BF, tau_ptr=F64, hist_ptr="*i32", bmax_ptr=F64, n_vocab=I32, stride_raw=I32),
+                            dict(NBLK=149, BLOCK=1024, TEMPERED=True)),
+    "nucleus_mass_kernel": (dict(raw_ptr=BF, tau_ptr=F64, hist_ptr="*i32", bmax_ptr=F64, cmass_ptr=F64,
+                                 ccnt_ptr="*i32"), dict(NBLK=149, NBP=256, CH=256, TEMPERED=True)),
+    "nucleus_pick_kernel": (dict(raw_ptr=BF, tau_ptr=F64, p_ptr=F64, hist_ptr="*i32", bmax_ptr=F64, cmass_ptr=F64,
+                                 ccnt_ptr="*i32", skey_ptr=I64), dict(NBLK=149, NBP=256, CH=256, TEMPERED=True)),
+    "nucleus_ties_kernel": (dict(raw_ptr=BF, skey_ptr=I64, ties_ptr="*i32", n_vocab=I32, stride_raw=I32),
+                            dict(NBLK=149, BLOCK=1024)),
     "sample_finish_kernel": (dict(raw_ptr=BF, val_ptr="*fp64", idx_ptr=I64, m_ptr=F32, s_ptr=F32, t_ptr=I64,
                                   eos_ptr=I64, n_eos=I32, ids_ptr=I64, logp_ptr=F32, tok_ptr=I64, pos_ptr=I64,
                                   done_ptr="*u8", stride_raw=I32, stride_out=I32, inv_tau="fp32"),

@@ -21,9 +21,10 @@ token index, the attention span) from device tensors, so one CUDA graph serves e
   (``engines.sampling.uniform_noise``'s splitmix64), ~40 elementwise kernels over (B, V) -> 1 + a
   small argmax; ``sample_token``: that id, its float32 log π (the log-softmax's parts computed in the
   same pass over the logits, merged by a second kernel) and the step's writes, in 2 kernels; at top-p < 1
-  after a search of the nucleus (``nucleus_level_kernel``: a radix select, 4 bits of the logits' sort key a
-  pass, of the key where the nucleus ends, the float64 mass above each candidate summed per block; its ties
-  cut in id order as ``engines.sampling.top_p_filter``'s stable sort cuts them).
+  after a search of the nucleus (``nucleus_*_kernel``: the 16-bit logits' sort keys counted into a histogram,
+  each key's float64 mass is its count times one id's, so the nucleus's last key and how many of its ids it
+  holds follow from the histogram; those ids taken in id order as ``engines.sampling.top_p_filter``'s stable
+  sort takes them).
 
 Shapes: B rows, H query heads, K = Hkv key/value heads, G = H / K, D head dim, L cache slots, V
 vocabulary, X = (H + 2K) D the fused q/k/v width, I the MLP width. The references define the
@@ -153,8 +154,9 @@ def _kernels() -> dict:
         assert UNIFORM_BITS == 52 and _GOLDEN + (1 << 64) == 0x9E3779B97F4A7C15  # the constants written there
         assert (_MIX1 + (1 << 64), _MIX2 + (1 << 64)) == (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
         _K = dict(rope_attn_partial=t.rope_attn_partial_kernel, attn_reduce=t.attn_reduce_kernel,
-                  silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, nucleus_level=t.nucleus_level_kernel,
-                  nucleus_digit=t.nucleus_digit_kernel,
+                  silu_mul=t.silu_mul_kernel, gumbel=t.gumbel_kernel, nucleus_hist=t.nucleus_hist_kernel,
+                  nucleus_mass=t.nucleus_mass_kernel, nucleus_pick=t.nucleus_pick_kernel,
+                  nucleus_ties=t.nucleus_ties_kernel,
                   sample_finish=t.sample_finish_kernel,
                   rms_norm=t.rms_norm_kernel, add_rms_norm=t.add_rms_norm_kernel, gemv=t.gemv_kernel,
                   gemv_reduce=t.gemv_reduce_kernel, gemv_reduce_add_norm=t.gemv_reduce_add_norm_kernel)
@@ -262,21 +264,16 @@ class GumbelPlan:
     blocks of BLOCK; ``pdl`` as in ``AttentionPlan``. BLOCK 1,024 ids with 4 warps: ``sample_token`` took 17.9 us per
     step at batch 8 over 151,665 ids on an H200 (2026-12-03, ``bench/s1_speed.py sample``), against 33.7 at 4,096
     (the float64 Gumbel noise of 38 programs per row hid too little latency), 20.8 at 2,048 and 17.3 at 512.
-    ``top_p`` < 1 (``sample_token`` only): also the buffers of the nucleus search (``nucleus_level_kernel``)."""
+    ``top_p`` < 1 (``sample_token`` only, 16-bit float logits): also the buffers of the nucleus search."""
 
     BLOCK = 1024
     WARPS = 4
-    NUCLEUS_WARPS = 8
-    SUB = 128  # the ids a nucleus pass takes at a time
+    CH = 256  # the sort keys of one program of nucleus_mass_kernel
 
     def __init__(self, B: int, n_vocab: int, temperature: float, device, pdl: bool = False, block: int | None = None,
-                 warps: int | None = None, top_p: float = 1.0, sub: int | None = None):
+                 warps: int | None = None, top_p: float = 1.0):
         self.n_vocab, self.temperature, self.top_p, self.pdl = n_vocab, float(temperature), float(top_p), pdl
-        self.nucleus = self.top_p < 1.0
-        # ids per program, warps (the same samples); the nucleus search's passes ran fastest with 8 warps (H200,
-        # 2026-12-03: 411 us per sampling step at batch 8 against 522 with 4)
-        self.block, self.warps = block or self.BLOCK, warps or (self.NUCLEUS_WARPS if self.nucleus else self.WARPS)
-        self.sub = min(sub or self.SUB, self.block)
+        self.block, self.warps = block or self.BLOCK, warps or self.WARPS  # ids per program, warps (the same samples)
         self.nblk = -(-n_vocab // self.block)
         self.val = torch.empty((B, self.nblk), dtype=torch.float64, device=device)
         self.idx = torch.empty((B, self.nblk), dtype=torch.int64, device=device)
@@ -285,40 +282,43 @@ class GumbelPlan:
         self.tau_1 = torch.full((1,), self.temperature, dtype=torch.float64, device=device)
         # torch divides a CUDA float32 tensor by a Python float as a product with its float32 reciprocal
         self.inv_tau = float(torch.tensor(1.0) / torch.tensor(self.temperature, dtype=torch.float32))
-        n = (B, self.nblk) if self.nucleus else (1, 1)  # the search's buffers (unread at top-p 1)
+        self.nucleus = self.top_p < 1.0
+        n = B if self.nucleus else 1  # the search's buffers (unread at top-p 1)
         self.p_1 = torch.full((1,), self.top_p, dtype=torch.float64, device=device)
-        self.bmax = torch.empty(n, dtype=torch.float64, device=device)  # each block's largest z
-        self.mass = torch.empty((*n, 16), dtype=torch.float64, device=device)  # a pass's partials
-        self.cnt = torch.empty((*n, 16), dtype=torch.int32, device=device)
-        self.zval = torch.empty((*n, 16), dtype=torch.float64, device=device)  # the last pass's z of each key
-        self.state = torch.empty((n[0], 3), dtype=torch.float64, device=device)  # M, Z, the mass above the prefix
-        self.skey = torch.empty((n[0], 2), dtype=torch.int64, device=device)  # the key prefix, n
-        self.offs = torch.empty(n, dtype=torch.int32, device=device)  # the ids of key k before each block
+        self.hist = torch.zeros((n, 65536), dtype=torch.int32, device=device)  # each sort key's ids
+        self.bmax = torch.empty((n, self.nblk), dtype=torch.float64, device=device)  # each block's largest z
+        self.cmass = torch.empty((n, 65536 // self.CH), dtype=torch.float64, device=device)  # each chunk's mass
+        self.ccnt = torch.empty((n, 65536 // self.CH), dtype=torch.int32, device=device)  # ... and its ids
+        self.skey = torch.empty((n, 2), dtype=torch.int64, device=device)  # the nucleus's last key k, n of its ids
+        self.ties = torch.empty((n, self.nblk), dtype=torch.int32, device=device)  # each block's ids of key k
 
 
 def _gumbel_blocks(raw_B_V, seeds_B, t_1, plan: GumbelPlan, nucleus: bool = False) -> None:
-    """``gumbel_kernel`` over the blocks (after the nucleus search where ``nucleus``: 2 kernels a pass)."""
+    """``gumbel_kernel`` over the blocks; where ``nucleus``, after the nucleus search: the histogram of the logits'
+    sort keys (zeroed, then counted), each chunk's mass, the nucleus's last key and its ids per block."""
     k = _kernels()
     B = raw_B_V.shape[0]
-    key_bits = 16 if raw_B_V.element_size() == 2 else 32
     tempered = plan.temperature != 1.0
+    nbp = _next_pow2(plan.nblk)
     if nucleus:
-        if raw_B_V.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"sample_token at top-p < 1: bfloat16 or float32 logits expected, not {raw_B_V.dtype}")
-        levels = key_bits // 4
-        for level in range(levels):
-            k["nucleus_level"][(B, plan.nblk)](
-                raw_B_V, plan.tau_1, plan.bmax, plan.mass, plan.cnt, plan.zval, plan.state, plan.skey, plan.n_vocab,
-                raw_B_V.stride(0), LEVEL=level, KEY_BITS=key_bits, NBLK=plan.nblk, BLOCK=plan.block,
-                SUB=plan.sub, TEMPERED=tempered, num_warps=plan.warps, **_pdl(plan.pdl))
-            k["nucleus_digit"][(B,)](
-                plan.bmax, plan.mass, plan.cnt, plan.zval, plan.p_1, plan.state, plan.skey, plan.offs,
-                LEVEL=level + 1, LAST=level + 1 == levels, NBLK=plan.nblk, NBP=_next_pow2(plan.nblk), num_warps=4,
-                **_pdl(plan.pdl))
+        if raw_B_V.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"sample_token at top-p < 1: bfloat16 or float16 logits expected, not {raw_B_V.dtype}")
+        grid, stride = (B, plan.nblk), raw_B_V.stride(0)
+        plan.hist.zero_()
+        k["nucleus_hist"][grid](raw_B_V, plan.tau_1, plan.hist, plan.bmax, plan.n_vocab, stride, NBLK=plan.nblk,
+                                BLOCK=plan.block, TEMPERED=tempered, num_warps=plan.warps, **_pdl(plan.pdl))
+        k["nucleus_mass"][(B, 65536 // plan.CH)](
+            raw_B_V, plan.tau_1, plan.hist, plan.bmax, plan.cmass, plan.ccnt, NBLK=plan.nblk, NBP=nbp, CH=plan.CH,
+            TEMPERED=tempered, num_warps=4, **_pdl(plan.pdl))
+        k["nucleus_pick"][(B,)](raw_B_V, plan.tau_1, plan.p_1, plan.hist, plan.bmax, plan.cmass, plan.ccnt, plan.skey,
+                                NBLK=plan.nblk, NBP=nbp, CH=plan.CH, TEMPERED=tempered, num_warps=8,
+                                **_pdl(plan.pdl))
+        k["nucleus_ties"][grid](raw_B_V, plan.skey, plan.ties, plan.n_vocab, stride, NBLK=plan.nblk,
+                                BLOCK=plan.block, num_warps=plan.warps, **_pdl(plan.pdl))
     k["gumbel"][(B, plan.nblk)](
         raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.m, plan.s, plan.n_vocab, raw_B_V.stride(0),
-        plan.inv_tau, plan.skey, plan.offs, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=tempered, NUCLEUS=nucleus,
-        KEY_BITS=key_bits, num_warps=plan.warps, **_pdl(plan.pdl))
+        plan.inv_tau, plan.skey, plan.ties, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=tempered, NUCLEUS=nucleus,
+        NBP=nbp, num_warps=plan.warps, **_pdl(plan.pdl))
 
 
 def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
@@ -344,11 +344,11 @@ def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok
     (the same) and log π (its float32 log-softmax summed in another order: within a few float32 ulps) written into
     column ``t`` (``t_1``'s value) of ``ids_B_T`` / ``logp_B_T``, the id into ``tok_B``, ``pos_B`` advanced by one,
     ``done_B`` (bool) set where the id is in ``eos_E``. 2 kernels at top-p 1, replacing ~15: the logits' float32
-    copy, the log-softmax, the argmax over blocks, the gathers, the writes and the end test. At top-p < 1 first the
-    nucleus search (``nucleus_level_kernel`` and ``nucleus_digit_kernel``: 4 passes over bfloat16 logits, 8 over
-    float32), replacing the torch
-    sampler's float64 stable sort, softmax, cumulative sum and scatter over every row: the same nucleus except
-    where the mass before an id is within float64 rounding of p (the sums run in another order)."""
+    copy, the log-softmax, the argmax over blocks, the gathers, the writes and the end test. At top-p < 1 (bfloat16
+    or float16 logits) first the nucleus search (a histogram of the logits' 65,536 sort keys, each key's float64
+    mass from its count, the nucleus's last key and its ties: 5 kernels), replacing the torch sampler's float64
+    stable sort, softmax, cumulative sum and scatter over every row: the same nucleus except where the mass before
+    an id is within float64 rounding of p (the sums run in another order)."""
     B = raw_B_V.shape[0]
     _gumbel_blocks(raw_B_V, seeds_B, t_1, plan, nucleus=plan.nucleus)
     _kernels()["sample_finish"][(B,)](

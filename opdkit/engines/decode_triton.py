@@ -153,135 +153,121 @@ def _mix64(z):  # engines.sampling._mix64 on uint64 (logical shifts, products mo
     return z ^ (z >> 31)
 
 @triton.jit
-def _order_key(raw, KEY_BITS: tl.constexpr):
-    """The sort key (int64) of finite logits ``raw``, bfloat16 (KEY_BITS 16) or float32 (32), from their bits: larger
-    for a larger value, equal for equal values (-0 as +0), in [0, 2**KEY_BITS)."""
-    if KEY_BITS == 16:
-        bits = raw.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
-    else:
-        bits = raw.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    top: tl.constexpr = 1 << (KEY_BITS - 1)  # the sign bit
-    full: tl.constexpr = (1 << KEY_BITS) - 1
-    bits = tl.where(bits == top, 0, bits)  # -0 -> +0
-    return tl.where(bits >= top, full - bits, bits + top)  # negative: the larger the magnitude, the smaller the key
+def _order_key(raw):
+    """The sort key (int32 in [0, 65536)) of finite 16-bit float logits ``raw`` (bfloat16 or float16) from their
+    bits: larger for a larger value, equal for equal values (-0 as +0)."""
+    bits = raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    bits = tl.where(bits == 0x8000, 0, bits)  # -0 -> +0
+    return tl.where(bits >= 0x8000, 0xFFFF - bits, bits + 0x8000)  # negative: the larger the magnitude, the lower
 
 
 @triton.jit
-def nucleus_digit_kernel(bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, p_ptr, state_ptr, skey_ptr, offs_ptr,
-                         LEVEL: tl.constexpr, LAST: tl.constexpr, NBLK: tl.constexpr, NBP: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Row b's nucleus search after ``nucleus_level_kernel``'s pass at LEVEL - 1: the largest digit d (4 bits) under
-    the key prefix found so far whose ids are not all outside the nucleus (the mass above its first id below p Z),
-    from the pass's per-block partials. Stores the row's state: ``state`` (B, 3) float64 = (M: the largest z, Z:
-    the sum of exp(z - M), the mass above the new prefix), ``skey`` (B, 2) int64 = (the prefix of LEVEL digits,
-    n). LAST (the prefix is a whole key k, the nucleus's least probable ids): n = ceil((p Z - mass above k) /
-    exp(z_k - M)) of the ids of key k are in the nucleus (the lower ids first, as
-    ``engines.sampling.top_p_filter``'s stable sort keeps them), and ``offs`` (B, NBLK) int32: the ids of key k in
-    the blocks before each block. The masses are float64 sums in another order than torch's cumulative sum: the
-    same nucleus except where the mass before an id is within float64 rounding of p Z."""
-    _pdl_enter(PDL)
-    b = tl.program_id(0)
-    jj = tl.arange(0, NBP)
-    jm = jj < NBLK
-    cc = tl.arange(0, 16)
-    at = (b * NBLK + jj[:, None]) * 16 + cc[None, :]
-    part = tl.load(mass_ptr + at, mask=jm[:, None], other=0.0)
-    cnts_j = tl.load(cnt_ptr + at, mask=jm[:, None], other=0)
-    p = tl.load(p_ptr)
-    if LEVEL == 1:  # the first pass's masses are relative to each block's largest z
-        bm = tl.load(bmax_ptr + b * NBLK + jj, mask=jm, other=float("-inf"))
-        M = tl.max(bm, 0)
-        bins = tl.sum(part * tl.exp(bm - M)[:, None], 0)
-        Z = tl.sum(bins, 0)
-        above = tl.sum(tl.where(cc[None, :] > cc[:, None], bins[None, :], 0.0), 1)
-        prefix = tl.zeros([16], tl.int64)
-    else:
-        bins = tl.sum(part, 0)
-        M = tl.load(state_ptr + b * 3)
-        Z = tl.load(state_ptr + b * 3 + 1)
-        above = tl.load(state_ptr + b * 3 + 2) + tl.sum(tl.where(cc[None, :] > cc[:, None], bins[None, :], 0.0), 1)
-        prefix = tl.zeros([16], tl.int64) + tl.load(skey_ptr + b * 2)
-    ok = (tl.sum(cnts_j, 0) > 0) & (above < p * Z)  # the digit's first id is in the nucleus
-    digit = tl.min(tl.where(ok, cc, 16), 0)  # the smallest such digit (the top one always qualifies)
-    key = tl.sum(tl.where(cc == digit, prefix * 16 + cc, 0), 0)
-    above_d = tl.sum(tl.where(cc == digit, above, 0.0), 0)
-    tl.store(state_ptr + b * 3, M)
-    tl.store(state_ptr + b * 3 + 1, Z)
-    tl.store(state_ptr + b * 3 + 2, above_d)
-    tl.store(skey_ptr + b * 2, key)
-    if LAST:
-        cnt_j = tl.sum(tl.where(cc[None, :] == digit, cnts_j, 0), 1)  # each block's ids of key k
-        zk = tl.max(tl.load(zval_ptr + (b * NBLK + jj) * 16 + digit, mask=jm, other=float("-inf")), 0)
-        q = tl.minimum((p * Z - above_d) / tl.exp(zk - M), tl.sum(cnt_j, 0).to(tl.float64))
-        n_in = q.to(tl.int64)
-        n_in = tl.maximum(tl.where(n_in.to(tl.float64) < q, n_in + 1, n_in), 1)  # ceil: ids i = 0, 1, .. below q
-        tl.store(skey_ptr + b * 2 + 1, n_in)
-        tl.store(offs_ptr + b * NBLK + jj, tl.cumsum(cnt_j, 0) - cnt_j, mask=jm)
+def _key_z(key, tau_ptr, dtype, TEMPERED: tl.constexpr):
+    """z = value / τ in float64 of the 16-bit float (``dtype``) whose sort key is ``key`` (``_order_key``'s
+    inverse), as ``policy_logits`` divides."""
+    bits = tl.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)
+    bits = tl.where(bits >= 0x8000, bits - 0x10000, bits)  # as a signed 16-bit integer
+    z = bits.to(tl.int16).to(dtype, bitcast=True).to(tl.float32).to(tl.float64)
+    if TEMPERED:
+        z = z / tl.load(tau_ptr)
+    return z
 
 
 @triton.jit
-def nucleus_level_kernel(raw_ptr, tau_ptr, bmax_ptr, mass_ptr, cnt_ptr, zval_ptr, state_ptr, skey_ptr, n_vocab,
-                         stride_raw, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr, NBLK: tl.constexpr,
-                         BLOCK: tl.constexpr, SUB: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
-    """Pass LEVEL of row b's top-p nucleus search (a radix select over the sort keys, 4 bits a pass, most
-    significant first; ``nucleus_digit_kernel`` picks each digit), block j of BLOCK ids: for each value d of digit
-    LEVEL, the float64 mass sum(exp(z - ref)) and the count of the block's ids whose key has the prefix found so
-    far and digit d (z = raw / τ in float64 as ``policy_logits``; ref: the block's largest z at LEVEL 0, stored,
-    else the row's); at the last level also each digit's z (all its ids have the same z)."""
+def nucleus_hist_kernel(raw_ptr, tau_ptr, hist_ptr, bmax_ptr, n_vocab, stride_raw, NBLK: tl.constexpr,
+                        BLOCK: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
+    """Block j of row b's logits (16-bit floats): each id counted into the row's histogram of sort keys (``hist``
+    (B, 65536) int32, zero before), and the block's largest z (``bmax``)."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
-    cc = tl.arange(0, 16)
-    LAST: tl.constexpr = LEVEL == KEY_BITS // 4 - 1
-    SHIFT: tl.constexpr = KEY_BITS - 4 * (LEVEL + 1)  # this pass's digit
-    row = raw_ptr + b * stride_raw
-    if LEVEL == 0:
-        mx = tl.full([SUB], float("-inf"), tl.float64)
-        for i in range(0, BLOCK // SUB):
-            v = j * BLOCK + i * SUB + tl.arange(0, SUB)
-            z = tl.load(row + v, mask=v < n_vocab, other=0.0).to(tl.float32).to(tl.float64)
-            if TEMPERED:
-                z = z / tl.load(tau_ptr)
-            mx = tl.maximum(mx, tl.where(v < n_vocab, z, float("-inf")))
-        ref = tl.max(mx, 0)
-        tl.store(bmax_ptr + b * NBLK + j, ref)
-        prefix = 0
-    else:
-        ref = tl.load(state_ptr + b * 3)
-        prefix = tl.load(skey_ptr + b * 2)
-    acc_m = tl.zeros([SUB, 16], tl.float64)
-    acc_c = tl.zeros([SUB, 16], tl.int32)
-    acc_z = tl.full([SUB, 16], float("-inf"), tl.float64)
-    for i in range(0, BLOCK // SUB):
-        v = j * BLOCK + i * SUB + tl.arange(0, SUB)
-        valid = v < n_vocab
-        raw = tl.load(row + v, mask=valid, other=0.0)
-        key = _order_key(raw, KEY_BITS)
-        z = raw.to(tl.float32).to(tl.float64)
-        if TEMPERED:
-            z = z / tl.load(tau_ptr)
-        match = valid & ((key >> (SHIFT + 4)) == prefix)
-        hit = match[:, None] & (((key >> SHIFT) & 15)[:, None] == cc[None, :])
-        acc_m += tl.where(hit, tl.exp(z - ref)[:, None], 0.0)
-        acc_c += hit.to(tl.int32)
-        if LAST:
-            acc_z = tl.maximum(acc_z, tl.where(hit, z[:, None], float("-inf")))
-    at = (b * NBLK + j) * 16 + cc
-    tl.store(mass_ptr + at, tl.sum(acc_m, 0))
-    tl.store(cnt_ptr + at, tl.sum(acc_c, 0))
-    if LAST:
-        tl.store(zval_ptr + at, tl.max(acc_z, 0))
+    v = j * BLOCK + tl.arange(0, BLOCK)
+    valid = v < n_vocab
+    raw = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0)
+    tl.atomic_add(hist_ptr + b * 65536 + _order_key(raw), 1, mask=valid, sem="relaxed")
+    z = raw.to(tl.float32).to(tl.float64)
+    if TEMPERED:
+        z = z / tl.load(tau_ptr)
+    tl.store(bmax_ptr + b * NBLK + j, tl.max(tl.where(valid, z, float("-inf")), 0))
+
+
+@triton.jit
+def nucleus_mass_kernel(raw_ptr, tau_ptr, hist_ptr, bmax_ptr, cmass_ptr, ccnt_ptr, NBLK: tl.constexpr,
+                        NBP: tl.constexpr, CH: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
+    """Chunk c (sort keys c CH .. c CH + CH - 1) of row b's histogram: its float64 mass sum(count exp(z - M)) (M the
+    row's largest z) and its count (``cmass``, ``ccnt``: (B, 65536 / CH))."""
+    _pdl_enter(PDL)
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    jj = tl.arange(0, NBP)
+    M = tl.max(tl.load(bmax_ptr + b * NBLK + jj, mask=jj < NBLK, other=float("-inf")), 0)
+    key = c * CH + tl.arange(0, CH)
+    cnt = tl.load(hist_ptr + b * 65536 + key)
+    z = _key_z(key, tau_ptr, raw_ptr.dtype.element_ty, TEMPERED)
+    w = tl.where(cnt > 0, cnt.to(tl.float64) * tl.exp(tl.where(cnt > 0, z, M) - M), 0.0)
+    tl.store(cmass_ptr + b * (65536 // CH) + c, tl.sum(w, 0))
+    tl.store(ccnt_ptr + b * (65536 // CH) + c, tl.sum(cnt, 0))
+
+
+@triton.jit
+def nucleus_pick_kernel(raw_ptr, tau_ptr, p_ptr, hist_ptr, bmax_ptr, cmass_ptr, ccnt_ptr, skey_ptr, NBLK: tl.constexpr,
+                        NBP: tl.constexpr, CH: tl.constexpr, TEMPERED: tl.constexpr, PDL: tl.constexpr):
+    """Row b's nucleus (``engines.sampling.top_p_filter``): the ids of sort keys above k and the first n of key k in
+    id order, k the lowest key whose ids are not all outside it (the mass of the keys above it below p Z, Z the sum
+    of exp(z - M)) and n = ceil((p Z - that mass) / exp(z_k - M)) (the ids i = 0, 1, .. of key k whose mass before
+    them stays below p Z). Stores (k, n) in ``skey`` (B, 2). The masses are float64 sums in another order than
+    torch's cumulative sum: the same nucleus except where the mass before an id is within float64 rounding of p Z."""
+    _pdl_enter(PDL)
+    b = tl.program_id(0)
+    NCH: tl.constexpr = 65536 // CH
+    jj = tl.arange(0, NBP)
+    M = tl.max(tl.load(bmax_ptr + b * NBLK + jj, mask=jj < NBLK, other=float("-inf")), 0)
+    ci = tl.arange(0, NCH)
+    cm = tl.load(cmass_ptr + b * NCH + ci)
+    pz = tl.load(p_ptr) * tl.sum(cm, 0)
+    above_c = tl.cumsum(cm, 0, reverse=True) - cm  # the mass of the chunks above each chunk
+    c = tl.min(tl.where((tl.load(ccnt_ptr + b * NCH + ci) > 0) & (above_c < pz), ci, NCH), 0)
+    key = c * CH + tl.arange(0, CH)
+    cnt = tl.load(hist_ptr + b * 65536 + key)
+    z = _key_z(key, tau_ptr, raw_ptr.dtype.element_ty, TEMPERED)
+    e = tl.exp(tl.where(cnt > 0, z, M) - M)  # one id's mass, for each key of the chunk
+    w = tl.where(cnt > 0, cnt.to(tl.float64) * e, 0.0)
+    above = tl.sum(tl.where(ci == c, above_c, 0.0), 0) + tl.cumsum(w, 0, reverse=True) - w
+    ok = (cnt > 0) & (above < pz)
+    kstar = tl.min(tl.where(ok, key, 65536), 0)
+    at = key == kstar
+    q = tl.sum(tl.where(at, (pz - above) / e, 0.0), 0)
+    q = tl.minimum(q, tl.sum(tl.where(at, cnt, 0), 0).to(tl.float64))
+    n_in = q.to(tl.int64)
+    n_in = tl.maximum(tl.where(n_in.to(tl.float64) < q, n_in + 1, n_in), 1)  # ceil: the ids below q
+    tl.store(skey_ptr + b * 2, kstar.to(tl.int64))
+    tl.store(skey_ptr + b * 2 + 1, n_in)
+
+
+@triton.jit
+def nucleus_ties_kernel(raw_ptr, skey_ptr, ties_ptr, n_vocab, stride_raw, NBLK: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Block j of row b: how many of its ids have the sort key k of ``nucleus_pick_kernel`` (``ties`` (B, NBLK))."""
+    _pdl_enter(PDL)
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    v = j * BLOCK + tl.arange(0, BLOCK)
+    valid = v < n_vocab
+    raw = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0)
+    hit = valid & (_order_key(raw) == tl.load(skey_ptr + b * 2).to(tl.int32))
+    tl.store(ties_ptr + b * NBLK + j, tl.sum(hit.to(tl.int32), 0))
 
 
 @triton.jit
 def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, n_vocab, stride_raw, inv_tau,
-                  skey_ptr, offs_ptr, NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr,
-                  NUCLEUS: tl.constexpr, KEY_BITS: tl.constexpr, PDL: tl.constexpr):
+                  skey_ptr, ties_ptr, NBLK: tl.constexpr, BLOCK: tl.constexpr, TEMPERED: tl.constexpr,
+                  NUCLEUS: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr):
     """One block of BLOCK ids of row b: the largest float64 ``raw / τ + Gumbel`` and its id (``val``, ``idx``), and
     the block's part of the float32 log-softmax of ``raw * (1 / τ)`` (``m``: its largest value, ``s``: the sum of
     ``exp(z - m)``), over the ids below n_vocab. ``raw`` float32 or bfloat16 (read as its exact float values).
-    NUCLEUS (top-p < 1, after the nucleus search; ``skey``, ``offs`` unread without it): over the ids of the
-    nucleus only: those of keys above k and the first n of key k in id order (``nucleus_digit_kernel``)."""
+    NUCLEUS (top-p < 1, 16-bit float logits, after ``nucleus_pick_kernel`` and ``nucleus_ties_kernel``; ``skey``,
+    ``ties`` unread without it): over the ids of the nucleus only: those of sort keys above k and the first n of
+    key k in id order."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -291,10 +277,12 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s
     raw = raw_x.to(tl.float32)
     keep = valid
     if NUCLEUS:
-        kstar = tl.load(skey_ptr + b * 2)
-        okey = _order_key(raw_x, KEY_BITS)
+        kstar = tl.load(skey_ptr + b * 2).to(tl.int32)
+        okey = _order_key(raw_x)
         tie = valid & (okey == kstar)
-        rank = tl.load(offs_ptr + b * NBLK + j) + tl.cumsum(tie.to(tl.int32), 0) - 1  # among the ids of key k
+        jj = tl.arange(0, NBP)
+        before = tl.sum(tl.load(ties_ptr + b * NBLK + jj, mask=jj < j, other=0), 0)  # key k's ids in earlier blocks
+        rank = before + tl.cumsum(tie.to(tl.int32), 0) - 1  # among the ids of key k
         keep = valid & ((okey > kstar) | (tie & (rank < tl.load(skey_ptr + b * 2 + 1))))
     z = raw.to(tl.float64)
     z32 = raw

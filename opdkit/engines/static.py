@@ -26,8 +26,8 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   the step measured 9% slower on an H200); sampling is
   two kernels (``decode_kernels.sample_token``): the hashing Gumbel-argmax and the log-softmax's parts over
   blocks of ids, then their merge with the step's writes (the id, its log π, the next input, the position,
-  the end test); at top-p < 1 after the nucleus search (4 passes over the bf16 logits: a radix select of the
-  nucleus's last key, its ties cut in id order), not the torch sampler's float64 sort of every row. On Hopper
+  the end test); at top-p < 1 after the nucleus search (5 kernels: a histogram of the bf16 logits' sort keys
+  gives the nucleus's last key, its ties cut in id order), not the torch sampler's float64 sort of every row. On Hopper
   and later the kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
   launch overlaps the kernel before it, and every kernel waits for that one to finish before its first store
   and before it reads anything an earlier kernel wrote, so no result changes (``pdl=False`` launches them
@@ -205,8 +205,9 @@ class _Session:
         self.pdl = dec.kernels and dec.pdl  # each kernel's launch overlaps the one before (no result changes)
         if dec.kernels:
             self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev, pdl=self.pdl)
+            kernel_sampling = temperature > 0 and (top_p >= 1.0 or dt in (torch.bfloat16, torch.float16))
             self.gumbel_plan = (dk.GumbelPlan(B, dec.vocab, temperature, dev, pdl=self.pdl, top_p=top_p)
-                                if temperature > 0 else None)  # greedy: the torch sampler
+                                if kernel_sampling else None)  # else (greedy; top-p < 1 in float32) the torch sampler
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pool = None
 
