@@ -74,15 +74,18 @@ def model_shape(path: str | Path, lora=None) -> ModelShape:
                       intermediate=text.intermediate_size, rows=model.get_output_embeddings().weight.shape[0])
 
 
-def activation_bytes_per_token(s: ModelShape, compute_bytes: int, checkpointing: bool) -> int:
-    """Bytes autograd saves per token of a micro-batch for the whole decoder (see the module docstring)."""
+def activation_bytes_per_token(s: ModelShape, compute_bytes: int, checkpointing: bool,
+                               keep_attention: bool = False) -> int:
+    """Bytes autograd saves per token of a micro-batch for the whole decoder (see the module docstring);
+    ``keep_attention`` (``runtime.checkpoint_keep_attention``): under checkpointing, each layer's attention output
+    too (S1 at 7,168 on an H200: +4.6 GB for 57,344 tokens, this term 4.9)."""
     H, kv, Im = s.hidden, s.kv, s.intermediate  # Im: the MLP's intermediate width (I in the module docstring)
     if compute_bytes == 4:
         layer = 4 * (9 * H + 2 * kv + 4 * Im)
     else:  # autocast: the norms' inputs and outputs (4 H) in fp32; each projection's own cast of its input
         layer = 4 * 4 * H + compute_bytes * (8 * H + 2 * kv + 4 * Im)  # (5 + 1) H inputs, attention 2 H + 2 kv, MLP 4 I
-    if checkpointing:
-        return s.layers * 4 * H + layer  # each layer's fp32 input, one layer's full set while it is recomputed
+    if checkpointing:  # each layer's fp32 input (and attention output), one layer's full set while it is recomputed
+        return s.layers * (4 * H + (compute_bytes * H if keep_attention else 0)) + layer
     return s.layers * layer
 
 
@@ -124,12 +127,12 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | list[ModelS
         if cuda and R.static_cache:
             held["static decoder's bf16 copy of the student"] = 2 * student.params
     mb_rows = min(Opt.micro_batch or rows_step, rows_step)
-    ckpt = cfg.runtime.grad_checkpointing
+    ckpt, keep = cfg.runtime.grad_checkpointing, cfg.runtime.checkpoint_keep_attention
     chunk = min(cfg.runtime.logprob_chunk, R.max_new_tokens)
     update = {
         GRADIENTS: 4 * student.trainable,
         f"activations ({mb_rows} rows x {tokens:,} tokens{', gradient checkpointing' if ckpt else ''})":
-            mb_rows * tokens * activation_bytes_per_token(student, compute, ckpt),
+            mb_rows * tokens * activation_bytes_per_token(student, compute, ckpt, keep),
         f"logits chunk ({mb_rows} rows x {chunk} positions x {student.rows:,})": 3 * 4 * mb_rows * chunk * student.rows,
     }
     if loss_table.teacher_need(cfg.loss, cfg.rollout) == "full" and teacher is not None:

@@ -81,3 +81,15 @@ def test_held_weights_gradients_and_adam_moments_are_the_bytes_a_real_step_alloc
     want = {"student fp32 weights": nbytes(model.parameters()), "AdamW moments (fp32)": nbytes(moments)}
     assert parts["held"] == want
     assert parts["update"][GRADIENTS] == nbytes(p.grad for p in model.parameters())
+
+
+def test_keeping_the_attention_outputs_adds_what_an_h200_measured():
+    """runtime.checkpoint_keep_attention at S1's shape: S1 at 7,168 new tokens (57,344 completion + ~1,200 prompt
+    tokens in one packed micro-batch) peaked 4.6 GB higher with it on an H200 (BENCHMARKS.md, 2026-12-03)."""
+    from opdkit.memory import ModelShape
+
+    s1 = ModelShape(params=1_777_088_000, trainable=1_777_088_000, layers=28, hidden=1536, kv=256, intermediate=8960,
+                    rows=151_936)
+    extra = 58_500 * (activation_bytes_per_token(s1, 2, True, True) - activation_bytes_per_token(s1, 2, True))
+    assert abs(extra / 1e9 - 4.6) < 0.6
+    assert activation_bytes_per_token(s1, 2, False, True) == activation_bytes_per_token(s1, 2, False)
