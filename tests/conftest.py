@@ -45,10 +45,11 @@ LONGEST_FIRST = ("test_pipeline.py", "test_end_of_run.py", "test_notebooks.py", 
                  "test_rollout.py", "test_privileged_live.py", "test_scoring.py", "test_studies.py")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runner():
     """``opdkit`` commands in processes forked from one that imported opdkit once (``signal_harness.OpdkitRunner``):
-    for runs that need no signal of their own (a file's reruns, injected faults)."""
+    for runs that need no signal of their own (a file's reruns, injected faults, run.sh's commands where its trainer
+    is not signalled). One per test process (xdist worker): the files a worker runs share its imports."""
     from signal_harness import OpdkitRunner
 
     r = OpdkitRunner()

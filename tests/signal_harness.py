@@ -11,6 +11,13 @@ child for each command (``opdkit.cli.main(argv)``, then the interpreter's normal
 ``python -m opdkit``): the child is a process of its own with its own exit status, stdout and
 stderr, with nothing run before it but those imports. It serves the reruns, which only have to
 resume; the runs that are signalled are always started as the launcher under test starts them.
+Its ``python`` is an executable that stands in for the interpreter where run.sh runs one (``PYTHON``,
+with ``env``): ``python -m opdkit ARGS`` runs in such a child, with the caller's working directory,
+environment, stdin, stdout and stderr, and exits with the child's status; anything else is handed to
+the real interpreter. Its ``helpers_python`` (``env(real_trainer=True)``) hands the trainer itself
+(``-m opdkit train`` without ``--check``) to the real interpreter too, so that a run.sh under test
+starts its trainer as it always does (in its process group, with the test's sitecustomize), and only
+its preflight and its checkpoint validation run in children of the runner.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -126,37 +136,119 @@ def leftovers(out: Path) -> list[str]:
 # --- a warm runner for plain `opdkit` commands --------------------------------------------------------------------
 
 _SERVER = r'''
-import json, os, sys
+import json, os, select, socket, sys
 import opdkit.cli
-for name in sys.argv[1:]:  # what every `opdkit train` imports anyway, once
+for name in sys.argv[2:]:  # what every `opdkit train` imports anyway, once
     __import__(name)
 assert os.listdir("/proc/self/task") == [str(os.getpid())], "threads before a fork"  # fork only a 1-thread process
+listener = socket.socket(fileno=int(sys.argv[1]))  # bound and listening: the stand-in interpreter's commands
+
+def reap():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+def from_stand_in(conn):
+    # a command of the stand-in interpreter: its argv, cwd and environment, and its stdin, stdout and stderr;
+    # a supervisor process forks the command's child, tells the stand-in its pid, then its exit status
+    data, fds = b"", []
+    while not data.endswith(b"\n"):
+        msg, got, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if not msg:
+            break
+        data, fds = data + msg, fds + list(got)
+    if os.fork() != 0:  # the server: on to the next command
+        conn.close()
+        for f in fds:
+            os.close(f)
+        return None
+    listener.close()
+    job = json.loads(data)
+    pid = os.fork()
+    if pid == 0:  # the command's child
+        conn.close()
+        for i, f in enumerate(fds):
+            os.dup2(f, i)
+        for f in fds:
+            if f > 2:
+                os.close(f)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        return job
+    for f in fds:
+        os.close(f)
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _, status = os.waitpid(pid, 0)
+        conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    finally:
+        os._exit(0)
 
 def serve():
-    for line in sys.stdin:
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            return job
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
-    return None
+    said = b""
+    while True:
+        while b"\n" in said:  # a command of the test's own
+            line, said = said.split(b"\n", 1)
+            job = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                return job
+            print(json.dumps({"pid": pid}), flush=True)
+            _, status = os.waitpid(pid, 0)
+            print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+        reap()  # the stand-in's supervisors that have ended
+        ready, _, _ = select.select([0, listener], [], [], 1.0)
+        if listener in ready:
+            job = from_stand_in(listener.accept()[0])
+            if job is not None:
+                return job
+        if 0 in ready:
+            got = os.read(0, 1 << 16)
+            if not got:
+                return None
+            said += got
 
 job = serve()
 if job is None:  # the tests are done: nothing to flush or clean up here
     os._exit(0)
 else:  # a fresh child: the command, then the interpreter's normal exit with main's status
     os.chdir(job["cwd"])
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+    if "stdout" in job:  # the test's command: no stdin, its output into the files it names
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
     sys.argv = ["opdkit", *job["argv"]]
     if job.get("code"):  # the test's own code first (a fault injected by patching a module)
         exec(compile(job["code"], "<test code>", "exec"), {"__name__": "__test_code__"})
     sys.exit(opdkit.cli.main(job["argv"]))
+'''
+# The stand-in interpreter (OpdkitRunner.python): `-m opdkit ARGS` in a child of the runner, else the real one.
+_STAND_IN = r'''#!{python} -SE
+import json, os, signal, socket, sys
+argv = sys.argv[1:]
+if argv[:2] != ["-m", "opdkit"] or ({real_trainer!r} and argv[2:3] == ["train"] and "--check" not in argv):
+    os.execv({python!r}, [{python!r}, *argv])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect({socket!r})
+socket.send_fds(s, [json.dumps({{"argv": argv[2:], "cwd": os.getcwd(), "env": dict(os.environ)}}).encode() + b"\n"],
+                [0, 1, 2])
+said = s.makefile("rb")
+pid = json.loads(said.readline())["pid"]
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # passed on, as to the interpreter itself
+    signal.signal(sig, lambda n, _: os.kill(pid, n))
+line = said.readline()
+status = json.loads(line)["status"] if line else 1
+if status < 0:  # killed by a signal: so is this process
+    signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+sys.exit(status)
 '''
 # (not pandas nor pyarrow, which the runs import too: importing them starts a thread)
 PRELOAD = ("opdkit.train", "opdkit.persist.checkpoints", "opdkit.embedded", "opdkit.recipes",
@@ -169,9 +261,21 @@ class OpdkitRunner:
     transformers (in the environment ``env(PYTHONPATH=REPO)``); its exit status, stdout and stderr."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, *PRELOAD], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env(PYTHONPATH=str(REPO)))
+        self.dir = Path(tempfile.mkdtemp(prefix="opdkit-runner-"))  # (short: a socket's path has at most 107 bytes)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.dir / "socket"))  # bound before the runner starts: the stand-in may connect at once
+        listener.listen(16)
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(listener.fileno()), *PRELOAD],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env(PYTHONPATH=str(REPO)),
+                                     pass_fds=[listener.fileno()])
+        listener.close()
         self.said = b""  # what the runner wrote that is not read yet
+        self.python, self.helpers_python = self.dir / "python", self.dir / "helpers" / "python"
+        for path, real_trainer in ((self.python, False), (self.helpers_python, True)):
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(_STAND_IN.format(python=sys.executable, socket=str(self.dir / "socket"),
+                                             real_trainer=real_trainer))
+            path.chmod(0o755)
 
     def run(self, argv: list[str], logs: Path, cwd: Path | None = None, timeout: float = 600,
             code: str = "") -> tuple[int, str, str]:
@@ -208,6 +312,11 @@ class OpdkitRunner:
         line, self.said = self.said.split(b"\n", 1)
         return json.loads(line)
 
+    def env(self, real_trainer: bool = False, **extra) -> dict:
+        """``procs.env(**extra)`` with the stand-in interpreter as run.sh's ``PYTHON`` (``real_trainer``: the one
+        that leaves the trainer to the real interpreter)."""
+        return env(PYTHON=str(self.helpers_python if real_trainer else self.python), **extra)
+
     def close(self) -> None:
         self.proc.stdin.close()
         try:
@@ -215,3 +324,4 @@ class OpdkitRunner:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)

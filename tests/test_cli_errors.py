@@ -65,8 +65,9 @@ CASES = [(case, False) for case in BAD_INPUTS] + [(case, True) for case in EXIST
 
 
 @pytest.fixture(scope="module")
-def bad_input_runs(bad, tmp_path_factory) -> dict:
-    """run.sh once per case, three at a time (each is a process that imports torch: seconds).
+def bad_input_runs(bad, tmp_path_factory, runner) -> dict:
+    """run.sh once per case, three at a time, its ``python -m opdkit`` a child of the warm ``runner`` (conftest;
+    a fresh interpreter would spend seconds importing torch for each case).
     With ``existing``, OUTPUT_DIR holds what an earlier run leaves behind, the lock file included."""
     def one(case: str, existing: bool):
         env_vars, args, _ = BAD_INPUTS[case]
@@ -80,7 +81,8 @@ def bad_input_runs(bad, tmp_path_factory) -> dict:
         before = snapshot(out)
         proc = subprocess.run(["bash", str(REPO / "run.sh"), "budget.max_steps=2", *args], cwd=cwd, text=True,
                               capture_output=True, timeout=180,
-                              env=env(OUTPUT_DIR=str(out), **{k: v.format(bad=bad) for k, v in env_vars.items()}))
+                              env=runner.env(OUTPUT_DIR=str(out),
+                                             **{k: v.format(bad=bad) for k, v in env_vars.items()}))
         return proc, before, snapshot(out)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -129,14 +131,14 @@ def test_the_exit_status_table_names_real_exception_classes():
     assert cli._publish_error() == (importlib.import_module("opdkit.persist.publish").PublishError,)
 
 
-def test_validate_rejects_a_stub_with_the_reason(tmp_path):
+def test_validate_rejects_a_stub_with_the_reason(tmp_path, runner):
     stub = tmp_path / "checkpoint-7"
     stub.mkdir()
     (stub / "config.json").write_text((asset("student") / "config.json").read_text())
     (stub / "model.safetensors").write_bytes(b"\0" * 4)  # a weights file cut short
     good = asset("student")
-    proc = subprocess.run([sys.executable, "-m", "opdkit", "validate", str(good), str(stub)], text=True,
-                          capture_output=True, timeout=120, env=env())
+    proc = subprocess.run([runner.python, "-m", "opdkit", "validate", str(good), str(stub)], text=True,
+                          capture_output=True, timeout=120, env=runner.env())  # (a child of the warm runner)
     assert proc.returncode == 1  # run.sh's exit 0 path covers a valid one alone
     assert proc.stdout.splitlines() == [f"{good}: valid", f"{stub}: INVALID: model.safetensors is 4 bytes: "
                                         "not a safetensors file (truncated?)"]
@@ -145,7 +147,7 @@ def test_validate_rejects_a_stub_with_the_reason(tmp_path):
 # --- injected publish failures in a real trainer process ------------------------------------
 
 INJECT = textwrap.dedent("""
-    import errno, sys
+    import errno
     import opdkit.persist.publish as p
     real, calls = p._write_safetensors, []
     def flaky(path, tensors):
@@ -154,20 +156,21 @@ INJECT = textwrap.dedent("""
             raise OSError(errno.ECOMM, "Communication error on send", str(path))
         return real(path, tensors)
     p._write_safetensors = flaky
-    from opdkit.cli import main
-    raise SystemExit(main(sys.argv[1:]))
 """)
 
 
-def run_injected(fail: str, out: Path, *overrides: str) -> subprocess.CompletedProcess:
+def run_injected(runner, fail: str, out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``opdkit train`` with the fault patched in before the command, in a child of the warm ``runner`` (conftest:
+    a process of its own, spared a fresh interpreter's imports)."""
     args = ["train", "--out", str(out), "--quiet"] + [x for o in TINY + list(overrides) for x in ("-S", o)]
-    return subprocess.run([sys.executable, "-c", INJECT.format(fail=fail), *args], cwd=out.parent, text=True,
-                          capture_output=True, timeout=300, env=env())
+    logs = out.parent / f"logs_{len(list(out.parent.glob('logs_*')))}"
+    status, stdout, stderr = runner.run(args, logs, cwd=out.parent, timeout=300, code=INJECT.format(fail=fail))
+    return subprocess.CompletedProcess(args, status, stdout, stderr)
 
 
-def test_transient_publish_error_is_retried_and_the_run_succeeds(tmp_path):
+def test_transient_publish_error_is_retried_and_the_run_succeeds(tmp_path, runner):
     out = tmp_path / "out"
-    proc = run_injected("len(calls) == 1", out, "budget.max_steps=1", "publish.backoff_s=0.01")
+    proc = run_injected(runner, "len(calls) == 1", out, "budget.max_steps=1", "publish.backoff_s=0.01")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "transient I/O error" in proc.stdout and "Communication error on send" in proc.stdout
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1"]
@@ -177,10 +180,10 @@ def test_transient_publish_error_is_retried_and_the_run_succeeds(tmp_path):
 
 
 @pytest.mark.slow
-def test_persistent_publish_error_fails_naming_survivors_then_a_rerun_recovers(tmp_path):
+def test_persistent_publish_error_fails_naming_survivors_then_a_rerun_recovers(tmp_path, runner):
     out = tmp_path / "out"
     steps = ["budget.max_steps=3", "publish.every_steps=1", "publish.retries=2", "publish.backoff_s=0.01"]
-    proc = run_injected("len(calls) >= 2", out, *steps)  # checkpoint-1 is written, every later write fails
+    proc = run_injected(runner, "len(calls) >= 2", out, *steps)  # checkpoint-1 is written, every later write fails
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -192,7 +195,7 @@ def test_persistent_publish_error_fails_naming_survivors_then_a_rerun_recovers(t
     assert json.loads((out / "run.json").read_text())["status"] == "failed"
 
     # the file system is back: the same command resumes, publishes the missing step, finishes
-    proc = run_injected("False", out, *steps)
+    proc = run_injected(runner, "False", out, *steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]

@@ -34,7 +34,6 @@ from opdkit.persist import trainer_state
 from opdkit.persist.checkpoints import validate_checkpoint
 from opdkit.scoring import unwrap
 from opdkit.setup import RunError, make_optimizer
-from procs import env as child_env
 from student_weights import trainable_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +67,7 @@ def test_ranks_share_the_prompts_contiguously_and_the_count_must_divide(monkeypa
         distributed.check_params(load_config(None, ["rollout.prompts_per_step=6"]), distributed.World())
 
 
-def test_vllm_under_torchrun_is_refused_before_anything_is_written_and_auto_picks_hf(monkeypatch, tmp_path):
+def test_vllm_under_torchrun_is_refused_before_anything_is_written_and_auto_picks_hf(monkeypatch, tmp_path, runner):
     from opdkit.config import ConfigError
     from opdkit.engines import select, vllm
 
@@ -82,10 +81,11 @@ def test_vllm_under_torchrun_is_refused_before_anything_is_written_and_auto_pick
     assert select.engine_name(load_config(None, ["rollout.engine=auto"]), torch.device("cuda")) == "vllm"
     monkeypatch.setattr(select.decode_kernels, "available", lambda: True)  # with Triton: the static decoder's kernels
     assert select.engine_name(load_config(None, ["rollout.engine=auto"]), torch.device("cuda")) == "hf"
-    # run.sh with NPROC=2: bad input (exit 2, one line), and nothing is written
+    # run.sh with NPROC=2: bad input (exit 2, one line), and nothing is written (its preflight `python -m opdkit
+    # train --check`: a child of the warm runner, conftest)
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(REPO / "run.sh"), "rollout.engine=vllm"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, env=child_env(OUTPUT_DIR=str(out), NPROC="2", PYTHONPATH=str(REPO)))
+                       text=True, timeout=120, env=runner.env(OUTPUT_DIR=str(out), NPROC="2", PYTHONPATH=str(REPO)))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not supported under torchrun" in r.stderr, r.stderr
     assert not out.exists()
 
@@ -246,8 +246,12 @@ def test_shard_run_carries_a_restored_optimizer_state_over_and_the_sharded_state
 # --- torchrun, 2 processes ---------------------------------------------------------------------
 
 
-def _torchrun(out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(runner, out: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """torchrun, ``nproc`` ranks of ``python -m opdkit train``, each rank's interpreter the warm runner's (conftest;
+    ``--no-python``: torchrun runs ``RUNNER_PYTHON -m opdkit train ...`` as the rank, whose command runs in a child
+    of the runner with the rank's environment, stdout and stderr): spared a fresh interpreter's imports per rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--no-python", str(runner.python),
            "-m", "opdkit", "train", "--out", str(out), "-p", "none", "--quiet"]  # built-in defaults, as _single
     for kv in [*TINY, *overrides]:
         cmd += ["-S", kv]
@@ -280,10 +284,10 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_then_publish_and_resume(tmp_path, reference):
+def test_two_processes_match_one_then_publish_and_resume(tmp_path, reference, runner):
     out = tmp_path / "out"
     # the first start stops at step 1 of the reference's 2-step cosine (its horizon kept for the resumes)
-    r = _torchrun(out, "budget.max_steps=1", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp")
+    r = _torchrun(runner, out, "budget.max_steps=1", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 1  # rank 0 alone prints the result
 
@@ -302,7 +306,7 @@ def test_two_processes_match_one_then_publish_and_resume(tmp_path, reference):
     shutil.copytree(out, other)
     assert _single(other, "budget.max_steps=2", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp").step == 2
     # ... and under 2 processes; both end with the single-process run's weights
-    r = _torchrun(out, "budget.max_steps=2", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp")
+    r = _torchrun(runner, out, "budget.max_steps=2", "budget.schedule_steps=2", "runtime.teacher_sharding=fsdp")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert [row["step"] for row in _rows(out)] == [1, 2]
     validate_checkpoint(out / "checkpoints/checkpoint-2")
@@ -314,11 +318,11 @@ def test_two_processes_match_one_then_publish_and_resume(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_two_processes_with_lora_match_one(tmp_path):
+def test_two_processes_with_lora_match_one(tmp_path, runner):
     ref, out = tmp_path / "single", tmp_path / "two"
     overrides = ["budget.max_steps=1", "lora.enabled=true", "optim.lr=0.01", "loss.name=k1", "optim.micro_batch=2"]
     _single(ref, *overrides)
-    r = _torchrun(out, *overrides)
+    r = _torchrun(runner, out, *overrides)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     d_loss = abs(_rows(ref)[0]["loss"] - _rows(out)[0]["loss"])
     d_w = _max_weight_diff(ref / "checkpoints/checkpoint-1", out / "checkpoints/checkpoint-1")
@@ -328,7 +332,7 @@ def test_two_processes_with_lora_match_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_world_size_that_does_not_divide_the_prompts_is_bad_input(tmp_path):
-    r = _torchrun(tmp_path / "out", "budget.max_steps=1", "rollout.prompts_per_step=3")
+def test_a_world_size_that_does_not_divide_the_prompts_is_bad_input(tmp_path, runner):
+    r = _torchrun(runner, tmp_path / "out", "budget.max_steps=1", "rollout.prompts_per_step=3")
     assert r.returncode != 0 and "multiple of the number of ranks (2)" in r.stderr
     assert not (tmp_path / "out").exists()

@@ -130,21 +130,26 @@ CASES = {  # what is slow, seconds into its save when the group is signalled, th
 }
 
 
-def launch(tmp_path: Path, out: Path, launcher: str, faults: tuple[str, ...], nproc: int = 1) -> subprocess.Popen:
-    """The run in a session of its own (its process group: the trainer, run.sh, torchrun and the ranks)."""
+def launch(tmp_path: Path, out: Path, launcher: str, faults: tuple[str, ...], nproc: int, runner: OpdkitRunner
+           ) -> subprocess.Popen:
+    """The run in a session of its own (its process group: the trainer, run.sh, torchrun and the ranks). run.sh's
+    trainer is started as always (the real interpreter, or torchrun); its preflight (NPROC > 1) and its validation
+    of the survivors run in children of the warm ``runner``, each spared a fresh interpreter's imports."""
     args = [*TINY, *SAVES]
     if launcher == "train":
         cmd, extra = train_cmd(out, *args), {}
     else:
-        cmd, extra = ["bash", str(REPO / "run.sh"), *args], dict(OUTPUT_DIR=str(out), NPROC=str(nproc))
+        cmd, extra = ["bash", str(REPO / "run.sh"), *args], dict(OUTPUT_DIR=str(out), NPROC=str(nproc),
+                                                                 PYTHON=str(runner.helpers_python))
     return subprocess.Popen(cmd, cwd=tmp_path, env=fault_env(tmp_path, *faults, **extra), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def signal_the_group_during_a_save(tmp_path: Path, what: str, offset: float, sig: int, launcher: str,
-                                   faults: tuple[str, ...], nproc: int = 1) -> tuple[subprocess.Popen, str, Path]:
+                                   faults: tuple[str, ...], runner: OpdkitRunner,
+                                   nproc: int = 1) -> tuple[subprocess.Popen, str, Path]:
     out = tmp_path / "out"
-    proc = launch(tmp_path, out, launcher, faults, nproc)
+    proc = launch(tmp_path, out, launcher, faults, nproc, runner)
     try:
         wait_for(mark(tmp_path, what).exists, proc, 300, f"a {what} save", poll=0.02)
         time.sleep(offset)
@@ -160,7 +165,8 @@ def signal_the_group_during_a_save(tmp_path: Path, what: str, offset: float, sig
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_stop_signal_to_the_process_group_during_a_save_never_costs_it(runner, tmp_path, case):
     what, offset, sig, launcher = CASES[case]
-    proc, stderr, out = signal_the_group_during_a_save(tmp_path, what, offset, sig, launcher, (f"slow_{what}",))
+    proc, stderr, out = signal_the_group_during_a_save(tmp_path, what, offset, sig, launcher, (f"slow_{what}",),
+                                                       runner)
     assert proc.returncode == 128 + sig, stderr[-3000:]
     assert stderr.count("received: stopping") == 1  # the group's signal and run.sh's relay: one stop
     run = json.loads((out / "run.json").read_text())
@@ -176,7 +182,7 @@ def test_a_stop_signal_to_the_process_group_during_a_save_never_costs_it(runner,
 
 def test_a_helper_forked_with_the_trainers_handlers_stops_on_the_groups_signal_and_the_save_completes(runner, tmp_path):
     proc, stderr, out = signal_the_group_during_a_save(tmp_path, "state", 1.0, signal.SIGTERM, "train",
-                                                       ("slow_state", "helper"))
+                                                       ("slow_state", "helper"), runner)
     (helper,) = [int(p.name.split("-")[1]) for p in (tmp_path / "marks").glob("helper-*")]
     assert gone(helper), "the helper inherited the trainer's handlers and outlived the stop"
     assert proc.returncode == 143, stderr[-3000:]
@@ -190,7 +196,7 @@ def test_a_helper_forked_with_the_trainers_handlers_stops_on_the_groups_signal_a
 @pytest.mark.parametrize("what", ["state", "export"])
 def test_a_stop_signal_to_the_group_of_a_two_rank_torchrun_during_a_save_never_costs_it(runner, tmp_path, what):
     proc, stderr, out = signal_the_group_during_a_save(tmp_path, what, 1.0, signal.SIGTERM, "run.sh", (f"slow_{what}",),
-                                                       nproc=2)
+                                                       runner, nproc=2)
     assert proc.returncode == 143, stderr[-3000:]
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["reason"]) == ("stopped", "SIGTERM")

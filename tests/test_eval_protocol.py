@@ -3,8 +3,6 @@ the eval JSON's protocol record and per-source parts (AIME 2024 / 2025 in their 
 
 import json
 import math
-import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,7 +11,6 @@ import yaml
 from opdkit.config import ConfigError, config_from_dict, load_config
 from opdkit.embedded import asset
 from opdkit.evaluate import protocol_record, summarize
-from procs import env
 
 # written from the seeds: 000/002 (math500_pass_at_1: 500 MATH-500 questions x 4, temperature 0.7, top_p 0.9,
 # 12,288 new tokens, generation seed 42; aime24_25_at32: 60 AIME 2024 + 2025 questions x 32, 31,744 tokens, "the
@@ -73,7 +70,7 @@ def test_parts_are_each_sources_clustered_accuracy():
     assert "parts" not in summarize([r for r in records if r["source"] == "2024"])  # one source: no parts
 
 
-def test_opdkit_eval_on_aime_2024_and_2025_files_reports_both_parts(tmp_path):
+def test_opdkit_eval_on_aime_2024_and_2025_files_reports_both_parts(tmp_path, capsys, monkeypatch):
     """The embedded eval questions written as the public AIME files are (Maxwell-Jia/AIME_2024:
     ID/Problem/Solution/Answer; opencompass/AIME2025: question/answer), evaluated in one run."""
     rows = pq.read_table(asset("eval")).to_pylist()[:6]
@@ -83,11 +80,15 @@ def test_opdkit_eval_on_aime_2024_and_2025_files_reports_both_parts(tmp_path):
     a25 = tmp_path / "aime2025.jsonl"
     a25.write_text("".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows[4:]))
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "opdkit", "eval", "--model", str(asset("teacher")), "--data", str(a24),
-                           "--data", str(a25), "--out", str(out), "-p", "none", "--quiet", "-S", "eval.n_samples=2",
-                           "-S", "eval.max_new_tokens=40", "-S", "runtime.threads=1"],
-                          cwd=tmp_path, env=env(), text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    from opdkit.cli import main
+
+    # the CLI's own entry point (`python -m opdkit` is `raise SystemExit(main())`), in this process: a fresh
+    # interpreter would spend seconds importing torch
+    monkeypatch.chdir(tmp_path)
+    code = main(["eval", "--model", str(asset("teacher")), "--data", str(a24), "--data", str(a25), "--out", str(out),
+                 "-p", "none", "--quiet", "-S", "eval.n_samples=2", "-S", "eval.max_new_tokens=40",
+                 "-S", "runtime.threads=1"])
+    assert code == 0, capsys.readouterr().err[-2000:]
     summary = json.loads(out.read_text())
     assert summary["data"] == [str(a24), str(a25)] and summary["n_questions"] == 6
     records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]

@@ -1,8 +1,6 @@
 """End-to-end evaluation of the shipped embedded teacher and student (small slice of the eval split)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,10 +42,13 @@ def test_teacher_is_clearly_better_than_student(cfg):
 
 def test_eval_cli_writes_json_and_jsonl(tmp_path, cfg):
     out = tmp_path / "e" / "teacher.json"
-    cmd = [sys.executable, "-m", "opdkit", "eval", "--quiet", "--model", str(paths.teacher_path(cfg)),
-           "--out", str(out), "--tag", "arm=teacher", "-S", "eval.max_questions=8", "-S", "eval.n_samples=2", "-S",
-           "runtime.threads=1"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    from opdkit.cli import main
+
+    # the CLI's own entry point (`python -m opdkit` is `raise SystemExit(main())`), in this process: a fresh
+    # interpreter would spend seconds importing torch
+    argv = ["eval", "--quiet", "--model", str(paths.teacher_path(cfg)), "--out", str(out), "--tag", "arm=teacher",
+            "-S", "eval.max_questions=8", "-S", "eval.n_samples=2", "-S", "runtime.threads=1"]
+    assert main(argv) == 0
     summary = json.loads(out.read_text())
     for key in ("accuracy", "stderr", "n_questions", "n_samples", "truncated_frac"):
         assert key in summary

@@ -119,6 +119,21 @@ def run_train(runner: OpdkitRunner, out: Path, overrides, fault: str = "none",
     return subprocess.CompletedProcess(argv, status, stdout, stderr)
 
 
+def opdkit_here(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``opdkit ARGV`` by the CLI's own entry point in this process (``python -m opdkit`` is
+    ``raise SystemExit(main())``; a fresh interpreter would spend seconds importing torch for a check of a
+    moment): its exit status, stdout and stderr."""
+    from opdkit.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
 def run_json(out: Path) -> dict:
     return json.loads((out / "run.json").read_text())
 
@@ -260,7 +275,7 @@ def test_a_trainer_whose_export_holds_a_nan_stops_with_exit_3_and_publishes_noth
     assert ckpt_names(out) == ["checkpoint-2"] and no_temp_dirs(out) and run_json(out)["status"] == "failed"
 
 
-def test_validate_streams_the_weights_and_rejects_a_nan_naming_the_tensor(tmp_path):
+def test_validate_streams_the_weights_and_rejects_a_nan_naming_the_tensor(tmp_path, capsys):
     path = shutil.copytree(asset("student"), tmp_path / "bad")
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"].view(-1)[-1] = float("inf")
@@ -269,9 +284,8 @@ def test_validate_streams_the_weights_and_rejects_a_nan_naming_the_tensor(tmp_pa
     with pytest.raises(InvalidCheckpoint, match="tensor model.layers.0.self_attn.k_proj.weight in model.safetensors "
                                                 "has NaN or infinite values"):
         validate_checkpoint(path)  # ... the values are not
-    proc = subprocess.run([sys.executable, "-m", "opdkit", "validate", str(path)], text=True, capture_output=True,
-                          timeout=120, env=env())
-    assert proc.returncode == 1 and "INVALID: tensor model.layers.0.self_attn.k_proj.weight" in proc.stdout
+    code, stdout, _ = opdkit_here(["validate", str(path)], capsys)
+    assert code == 1 and "INVALID: tensor model.layers.0.self_attn.k_proj.weight" in stdout
 
 
 # --- dtype and shards -------------------------------------------------------------------------
@@ -469,18 +483,18 @@ def test_out_of_memory_names_the_phase_and_the_knobs_and_keeps_the_state(runner,
 # --- bad input stays bad input; run.sh under torchrun -----------------------------------------
 
 
-def test_a_bad_shard_size_is_one_line_exit_2_and_writes_nothing(tmp_path):
+def test_a_bad_shard_size_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monkeypatch):
     # (a bad runtime.on_nonfinite / publish.dtype is refused by the config's choices, as every choice key)
     override, message = "publish.max_shard_size=lots", ("opdkit: error: publish.max_shard_size: expected a size "
                                                          "such as 5GB or 500MB, got 'lots'")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "opdkit", "train", "--out", str(out), "-p", "none", "-S", override],
-                          cwd=tmp_path, text=True, capture_output=True, timeout=120, env=env())
-    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = opdkit_here(["train", "--out", str(out), "-p", "none", "-S", override], capsys)
+    assert code == 2 and len(stderr.splitlines()) == 1 and stderr.startswith(message), stderr
     assert not out.exists()
 
 
-def test_run_sh_recovers_the_status_torchrun_flattens_from_run_json(tmp_path):
+def test_run_sh_recovers_the_status_torchrun_flattens_from_run_json(tmp_path, runner):
     record, expected = {"status": "failed", "nonfinite": ["loss"], "step": 3}, 3  # (a "stopped" record: 128+N)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -490,5 +504,6 @@ def test_run_sh_recovers_the_status_torchrun_flattens_from_run_json(tmp_path):
     fake.chmod(0o755)
     proc = subprocess.run(["bash", str(REPO / "run.sh"), "budget.max_steps=2"], cwd=tmp_path, text=True,
                           capture_output=True, timeout=120,
-                          env=env(OUTPUT_DIR=str(out), NPROC="2", PATH=f"{bin_dir}:{env()['PATH']}"))
+                          env=runner.env(OUTPUT_DIR=str(out), NPROC="2", PATH=f"{bin_dir}:{env()['PATH']}"))
+    # (its `python -m opdkit train --check`: a child of the warm runner)
     assert proc.returncode == expected, proc.stderr

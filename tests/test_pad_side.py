@@ -4,7 +4,6 @@ released [OPSD align]'s), while the log-prob comparison is skipped; the offsets 
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from opdkit.scoring import (
     token_logprobs,
     unwrap,
 )
-from procs import env
 
 PAD = 0
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]  # widths 5, 2, 3: k = 0, 3, 2 pads in a batch of width 5
@@ -121,14 +119,22 @@ TINY = ["-S", "rollout.prompts_per_step=4", "-S", "rollout.samples_per_prompt=1"
         "-S", "optim.schedule=constant", "-S", "publish.every_steps=2", "-S", "data.pad_side=right"]
 
 
-def _train(tmp_path, *extra):
-    return subprocess.run([sys.executable, "-m", "opdkit", "train", "--out", str(tmp_path / "out"), "-p", "none",
-                           "--quiet", *TINY, *extra], cwd=tmp_path, env=env(), text=True, capture_output=True,
-                          timeout=600)
+def _train(tmp_path, capsys, monkeypatch, *extra):
+    """``opdkit train`` by the CLI's own entry point (``python -m opdkit`` is ``raise SystemExit(main())``) in this
+    process, in ``tmp_path``: a fresh interpreter would spend seconds importing torch."""
+    from opdkit.cli import main
+
+    argv = ["train", "--out", str(tmp_path / "out"), "-p", "none", "--quiet", *TINY, *extra]
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path)
+        code = main(argv)
+    said = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, said.out, said.err)
 
 
-def test_training_with_right_padding_checks_the_span_and_records_the_offsets(tmp_path):
-    proc = _train(tmp_path)
+def test_training_with_right_padding_checks_the_span_and_records_the_offsets(tmp_path, capsys, monkeypatch):
+    proc = _train(tmp_path, capsys, monkeypatch)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics" / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 2

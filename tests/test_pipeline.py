@@ -255,7 +255,7 @@ def _set_param(repo: Path, section: str, key: str, value) -> None:
 
 
 @pytest.mark.slow
-def test_dvc_repro_on_tiny_params(tmp_path):
+def test_dvc_repro_on_tiny_params(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     repo.mkdir()
     _copy_repo(repo)
@@ -264,10 +264,28 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     _dvc(repo, env, "init", "-q")
     shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots")  # the track stage's plot template
 
-    log = _dvc(repo, env, "repro")
+    # the runs and their evals first: `dvc repro eval` runs that stage and exactly the stages it depends on
     stages = {name for name, _, _ in _stages(repo)}
-    assert _ran(log) == stages
+    upstream = {"embedded", "data", "offline_rollouts", "train", "eval"}
+    assert _ran(_dvc(repo, env, "repro", "eval")) == upstream
     runs = repo / "runs"
+
+    # a run trained again from scratch gives the same metrics and evals; only it and its evals run again (checked
+    # here, before the stages below the runs exist: a retrained run's checkpoints record other training seconds,
+    # so every stage downstream would run again, minutes of notebook kernels and studies for no further check)
+    steps = runs / "train" / "rkl" / "seed0" / "metrics" / "train.jsonl"
+    losses0 = [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())]
+    before0 = json.loads((runs / "eval" / "rkl" / "seed0.json").read_text())
+    shutil.rmtree(runs / "train" / "rkl" / "seed0")
+    log = _dvc(repo, env, "repro", "eval")
+    assert _ran(log) == {"train", "eval"}
+    assert "rkl/seed0: runs" in log and "rkl/seed1: reused" in log and "sft_reference/seed1: reused" in log
+    assert "rkl/seed0/checkpoint-3: runs" in log and "rkl/seed1/checkpoint-3: reused" in log
+    assert [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())] == losses0
+    assert json.loads((runs / "eval" / "rkl" / "seed0.json").read_text()) == before0
+
+    # then one `dvc repro` runs every other stage (each stage of dvc.yaml has run once it is done)
+    assert _ran(_dvc(repo, env, "repro")) == stages - upstream
     # outputs: the pinned subset, published checkpoints, eval JSONs, the report, executed notebooks, figures
     info = json.loads((runs / "data" / "subset.json").read_text())
     assert info["eval"]["rows"] == 300 and len(info["train"]["fingerprint"]) == 64
@@ -293,10 +311,15 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     rows = [json.loads(ln) for ln in (runs / "train" / "sft_reference" / "seed1" / "metrics" / "train.jsonl").open()]
     assert curve["points"][0]["tokens"] == rows[0]["tokens"] + rows[1]["tokens"]
     # the stage's final eval is `opdkit eval` of the last checkpoint, byte for byte
+    # (its own entry point, in this process: a `python -m opdkit eval` would spend seconds importing torch again)
+    from opdkit.cli import main as opdkit_main
+
     direct = runs / "direct.json"
-    _run([sys.executable, "-m", "opdkit", "eval", "--model", "runs/train/rkl/seed0/checkpoints/checkpoint-3", "--data",
-          "runs/data/eval.parquet", "--out", str(direct), "--tag", "arm=rkl", "--tag", "seed=0", "--tag", "match=steps",
-          "--tag", "step=3", "--quiet"], repo, env)
+    monkeypatch.chdir(repo)  # the stage's working directory: its params.yaml, its relative paths
+    assert opdkit_main(["eval", "--model", "runs/train/rkl/seed0/checkpoints/checkpoint-3", "--data",
+                        "runs/data/eval.parquet", "--out", str(direct), "--tag", "arm=rkl", "--tag", "seed=0",
+                        "--tag", "match=steps", "--tag", "step=3", "--quiet"]) == 0
+    monkeypatch.undo()
     assert json.loads(direct.read_text()) == json.loads((runs / "eval" / "rkl" / "seed0.json").read_text())
     direct.unlink(), direct.with_suffix(".jsonl").unlink()
     assert rep["groups"]["teacher"]["mean"] > rep["groups"]["before"]["mean"]
@@ -364,7 +387,6 @@ def test_dvc_repro_on_tiny_params(tmp_path):
     assert "up to date" in _dvc(repo, env, "status")
 
     # a loss param invalidates only the training stage (everything downstream follows from it)
-    before0 = json.loads((runs / "eval" / "rkl" / "seed0.json").read_text())
     _set_param(repo, "loss", "clip", "entry")
     changed = json.loads(_dvc(repo, env, "status", "--json"))
     assert set(changed) == {"train"}, changed
@@ -394,16 +416,6 @@ def test_dvc_repro_on_tiny_params(tmp_path):
                          "eval"} and "rkl/seed1: reused" in log and "sft_reference/seed0/checkpoint-2: reused" in log
     assert not (runs / "train" / "rkl" / "seed9").exists() and not (runs / "eval" / "rkl" / "seed9.json").exists()
     assert json.loads((runs / "report" / "report.json").read_text()) == report0
-
-    # a run trained again from scratch gives the same metrics and evals; only it and its evals run again
-    steps = runs / "train" / "rkl" / "seed0" / "metrics" / "train.jsonl"
-    losses0 = [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())]
-    shutil.rmtree(runs / "train" / "rkl" / "seed0")
-    log = _dvc(repo, env, "repro")
-    assert "rkl/seed0: runs" in log and "rkl/seed1: reused" in log and "sft_reference/seed1: reused" in log
-    assert "rkl/seed0/checkpoint-3: runs" in log and "rkl/seed1/checkpoint-3: reused" in log
-    assert [(r["loss"], r["kl"], r["grad_norm"]) for r in map(json.loads, steps.read_text().splitlines())] == losses0
-    assert json.loads((runs / "eval" / "rkl" / "seed0.json").read_text()) == before0
     assert "up to date" in _dvc(repo, env, "status")
 
     # dvc exp show (once there is a commit): the runs' final train metrics beside the params

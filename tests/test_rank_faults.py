@@ -66,9 +66,14 @@ def fault_env(tmp_path: Path, fault: str, rank: int = 1, **extra) -> dict:
     return env(PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), OPDKIT_TEST_FAULT_RANK=str(rank), **extra)
 
 
-def torchrun_cmd(out: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "opdkit",
-            "train", "--out", str(out), "-p", "none", "--quiet", *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
+def torchrun_cmd(out: Path, *overrides: str, python: Path | None = None) -> list[str]:
+    """torchrun, 2 ranks of ``python -m opdkit train``; ``python``: the warm runner's (conftest), for the runs that
+    nothing signals nor plants a fault in (``--no-python``: each rank is ``PYTHON -m opdkit train ...``, its command
+    in a child of the runner with the rank's environment: spared a fresh interpreter's imports per rank)."""
+    ranks = ["--no-python", str(python)] if python else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *ranks, "-m",
+            "opdkit", "train", "--out", str(out), "-p", "none", "--quiet",
+            *[x for o in [*TINY, *overrides] for x in ("-S", o)]]
 
 
 def two_workers(proc: subprocess.Popen) -> set[int]:
@@ -135,10 +140,13 @@ def test_sigterm_to_torchrun_stops_every_rank_of_a_stuck_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_run_sh_with_two_ranks_stops_them_after_the_step_with_their_state(tmp_path):
+def test_sigterm_to_run_sh_with_two_ranks_stops_them_after_the_step_with_their_state(tmp_path, runner):
     out = tmp_path / "out"
+    # (torchrun starts the ranks as always; run.sh's preflight and its validation of the survivors run in children of
+    # the warm runner, each spared a fresh interpreter's imports)
     proc = subprocess.Popen(["bash", str(REPO / "run.sh"), *TINY, "budget.max_steps=200", "publish.every_steps=1000"],
-                            cwd=tmp_path, env=env(OUTPUT_DIR=str(out), NPROC="2", PYTHONPATH=str(REPO)),
+                            cwd=tmp_path,
+                            env=runner.env(real_trainer=True, OUTPUT_DIR=str(out), NPROC="2", PYTHONPATH=str(REPO)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         workers = two_workers(proc)
@@ -169,10 +177,11 @@ def _weights(ckpt: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_sigkill_of_every_rank_while_the_state_is_written_then_a_rerun_ends_bit_for_bit(tmp_path):
-    ref = tmp_path / "ref"
-    r = subprocess.run(torchrun_cmd(ref, *KILL_ARGS), cwd=tmp_path, env=env(PYTHONPATH=str(REPO)), capture_output=True,
-                       text=True, timeout=300)
+def test_sigkill_of_every_rank_while_the_state_is_written_then_a_rerun_ends_bit_for_bit(tmp_path, runner):
+    ref = tmp_path / "ref"  # (the reference and the rerun: ranks in children of the warm runner; the killed run's
+    # ranks are started as always, with the planted slow write)
+    r = subprocess.run(torchrun_cmd(ref, *KILL_ARGS, python=runner.python), cwd=tmp_path, env=env(PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
     out = tmp_path / "out"
@@ -197,8 +206,8 @@ def test_sigkill_of_every_rank_while_the_state_is_written_then_a_rerun_ends_bit_
     assert kept["step"] == 1 and kept["path"].name == "trainer_state-1"  # the half-written one is not a state
     assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-1"]
 
-    r = subprocess.run(torchrun_cmd(out, *KILL_ARGS), cwd=tmp_path, env=env(PYTHONPATH=str(REPO)), capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(torchrun_cmd(out, *KILL_ARGS, python=runner.python), cwd=tmp_path, env=env(PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stdout and [p.name for p in (out / "state").iterdir()] == ["trainer_state-2"]
     a, b = _weights(ref / "checkpoints" / "checkpoint-2"), _weights(out / "checkpoints" / "checkpoint-2")

@@ -18,7 +18,6 @@ import torch
 from opdkit.cli import main as opdkit_main
 from opdkit.fixture import CHAT_TEMPLATE
 from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
-from procs import env
 from qwen2_fixture import fixture_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,13 +49,15 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def k1_run(fx, tmp_path_factory):
+def k1_run(fx, tmp_path_factory, runner):
+    """run.sh's PYTHON: the warm runner's (conftest): its `python -m opdkit` commands (the trainer, the validation
+    of its final checkpoint) run in children of the runner, spared a fresh interpreter's imports."""
     out = tmp_path_factory.mktemp("k1") / "out"
     proc = subprocess.run(["bash", str(REPO / "run.sh"), *TINY, "loss.name=k1", "budget.max_steps=2",
                            "publish.every_steps=2"], cwd=out.parent, text=True, capture_output=True, timeout=600,
-                          env=env(OUTPUT_DIR=str(out), STUDENT_MODEL=str(fx / "student"),
-                                  TEACHER_MODEL=str(fx / "teacher"), TRAIN_DATA=str(fx / "data" / "train.parquet"),
-                                  PYTHON="python3"))
+                          env=runner.env(OUTPUT_DIR=str(out), STUDENT_MODEL=str(fx / "student"),
+                                         TEACHER_MODEL=str(fx / "teacher"),
+                                         TRAIN_DATA=str(fx / "data" / "train.parquet")))
     return proc, out
 
 

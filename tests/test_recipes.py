@@ -192,19 +192,31 @@ def test_a_typo_in_a_recipe_names_the_key(tmp_path):
         load_config(None, tmp_path / "loop.yaml")
 
 
-def test_cli_selects_a_recipe_with_one_option(tmp_path):
-    import subprocess
-    import sys
+def _opdkit(argv: list[str], cwd: Path, capsys, monkeypatch) -> tuple[int, str]:
+    """``opdkit ARGV`` run in ``cwd`` by the CLI's own entry point in this process (``python -m opdkit`` is
+    ``raise SystemExit(main())``; a fresh interpreter would spend seconds importing torch): its exit status and
+    stderr."""
+    from opdkit.cli import main
 
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.chdir(cwd)
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_selects_a_recipe_with_one_option(tmp_path, capsys, monkeypatch):
     root = Path(__file__).resolve().parents[1]
-    base = [sys.executable, "-m", "opdkit", "train", "--check", "--out", str(tmp_path / "o")]
+    base = ["train", "--check", "--out", str(tmp_path / "o")]
     # S1 renders prompts with a chat template, which the embedded default's tokenizer lacks (--check says so)
-    ok = subprocess.run(base + ["-r", str(root / "recipes" / "s1.yaml"), "-S", "data.chat_template=false"],
-                        capture_output=True, text=True, cwd=tmp_path)
-    assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run(base + ["-r", str(root / "recipes" / "nope.yaml")], capture_output=True, text=True,
-                         cwd=tmp_path)
-    assert bad.returncode == 2 and "nope.yaml does not exist" in bad.stderr
+    code, err = _opdkit(base + ["-r", str(root / "recipes" / "s1.yaml"), "-S", "data.chat_template=false"], tmp_path,
+                        capsys, monkeypatch)
+    assert code == 0, err
+    code, err = _opdkit(base + ["-r", str(root / "recipes" / "nope.yaml")], tmp_path, capsys, monkeypatch)
+    assert code == 2 and "nope.yaml does not exist" in err
 
 
 # --- the recipe the params name (params key `recipe`) ----------------------------------------------
@@ -278,10 +290,7 @@ def test_a_recipe_may_not_name_a_recipe_or_set_the_pipeline(tmp_path):
         load_config(None, tmp_path / "c.yaml")
 
 
-def test_the_cli_applies_the_params_recipe_and_r_wins(tmp_path, monkeypatch):
-    import subprocess
-    import sys
-
+def test_the_cli_applies_the_params_recipe_and_r_wins(tmp_path, monkeypatch, capsys):
     from opdkit.cli import _config, build_parser
 
     params = _params(tmp_path, "k1.yaml", **{"k1.yaml": "loss:\n  name: k1\n", "sft.yaml": "loss:\n  name: sft\n"})
@@ -297,8 +306,7 @@ def test_the_cli_applies_the_params_recipe_and_r_wins(tmp_path, monkeypatch):
     assert "'recipe' key is applied" in build_parser()._subparsers._group_actions[0].choices["train"].format_help()
 
     params.write_text("recipe: recipes/nope.yaml\n")
-    bad = subprocess.run([sys.executable, "-m", "opdkit", "train", "--check", "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, cwd=tmp_path)
-    lines = bad.stderr.strip().splitlines()
-    assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+    code, err = _opdkit(["train", "--check", "--out", str(tmp_path / "o")], tmp_path, capsys, monkeypatch)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
     assert "params key 'recipe' in params.yaml names recipe recipes/nope.yaml, which does not exist" in lines[0]

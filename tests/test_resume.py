@@ -205,7 +205,8 @@ KILL_POINTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", list(KILL_POINTS))
-def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(tmp_path, kill_reference, point):
+def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(tmp_path, kill_reference, point,
+                                                                                runner):
     how, when, has_state = KILL_POINTS[point]
     out = tmp_path / "out"
     if how == "python":
@@ -214,7 +215,10 @@ def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(
                                 cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         victim = proc.pid
     else:
-        proc = subprocess.Popen(["bash", str(REPO / "run.sh"), *KILL_ARGS], cwd=tmp_path, env=env(OUTPUT_DIR=str(out)),
+        # (its trainer started by the real interpreter, as always; its validation of the survivors in a child of the
+        # warm runner, spared a fresh interpreter's imports)
+        proc = subprocess.Popen(["bash", str(REPO / "run.sh"), *KILL_ARGS], cwd=tmp_path,
+                                env=runner.env(real_trainer=True, OUTPUT_DIR=str(out)),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 30
         while (victim := child_of(proc.pid)) is None:
@@ -233,12 +237,15 @@ def test_sigkill_then_rerun_resumes_and_finishes_with_only_complete_checkpoints(
         assert is_valid_checkpoint(c) == (True, "ok"), c
     assert (trainer_state.find(out) is not None) == has_state
 
-    # the same command again (run.sh's own exit-0 check is exercised by the run.sh trial)
-    again = (["bash", str(REPO / "run.sh"), *KILL_ARGS] if how == "run.sh" else
-             [sys.executable, "-m", "opdkit", "train", "--out", str(out), "--quiet",
-              *[x for a in KILL_ARGS for x in ("-S", a)]])
-    rerun = subprocess.run(again, cwd=tmp_path, env=env(OUTPUT_DIR=str(out)), capture_output=True, text=True,
-                           timeout=300)
+    # the same command again (run.sh's own exit-0 check is exercised by the run.sh trial), its `python -m opdkit`
+    # commands in children of the warm runner (conftest): a plain rerun needs no fresh interpreter
+    train_argv = ["train", "--out", str(out), "--quiet", *[x for a in KILL_ARGS for x in ("-S", a)]]
+    if how == "run.sh":
+        rerun = subprocess.run(["bash", str(REPO / "run.sh"), *KILL_ARGS], cwd=tmp_path,
+                               env=runner.env(OUTPUT_DIR=str(out)), capture_output=True, text=True, timeout=300)
+    else:
+        rerun = subprocess.CompletedProcess(train_argv, *runner.run(train_argv, tmp_path / "rerun", cwd=tmp_path,
+                                                                    timeout=300))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert ("resuming from" in rerun.stdout) == has_state
     assert [r["step"] for r in metric_rows(out)] == [1, 2, 3, 4, 5, 6]  # continued, no repeats, no gaps

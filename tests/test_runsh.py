@@ -33,9 +33,14 @@ METRIC_KEYS = {"step", "elapsed_s", "lr", "loss", "kl", "grad_norm", "response_l
                "tokens_per_s"}
 
 
-def run_sh(cwd: Path, *args: str, timeout: float = 300, **env_vars) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(RUN_SH), *args], cwd=cwd, env=env(**env_vars), text=True,
-                          capture_output=True, timeout=timeout)
+def run_sh(cwd: Path, *args: str, timeout: float = 300, runner=None, real_trainer: bool = False,
+           **env_vars) -> subprocess.CompletedProcess:
+    """``bash run.sh ARGS``; with the warm ``runner`` (conftest), its ``python -m opdkit`` commands run in children
+    of the runner (``signal_harness.OpdkitRunner.python``), each spared a fresh interpreter's imports of torch
+    (``real_trainer``: all but the trainer itself, which the real interpreter starts as always)."""
+    e = runner.env(real_trainer=real_trainer, **env_vars) if runner else env(**env_vars)
+    return subprocess.run(["bash", str(RUN_SH), *args], cwd=cwd, env=e, text=True, capture_output=True,
+                          timeout=timeout)
 
 
 def metric_steps(out: Path) -> list[int]:
@@ -43,14 +48,14 @@ def metric_steps(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0_at_once(tmp_path):
+def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0_at_once(tmp_path, runner):
     out = tmp_path / "out"
     data = asset("train")
     env_vars = dict(OUTPUT_DIR=str(out), STUDENT_MODEL=str(asset("student")), TEACHER_MODEL=str(asset("teacher")),
                     TRAIN_DATA=str(data), MAX_WALL_TIME_SECONDS="14", DEADLINE_RESERVE_SECONDS="4",
                     EXPERIMENT_NAME="smoke's 1", RECIPE="none")  # the embedded models: the built-in defaults, not S1's
     args = [*TINY, "publish.every_steps=5"]
-    proc = run_sh(tmp_path, *args, **env_vars)
+    proc = run_sh(tmp_path, *args, runner=runner, **env_vars)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # it prints what it runs: the env mapped to overrides, then the trailing ones
     running = next(ln for ln in proc.stdout.splitlines() if ln.startswith("run.sh: running: "))
@@ -77,7 +82,8 @@ def test_run_sh_trains_to_the_wall_clock_and_a_rerun_of_the_finished_run_exits_0
         assert r["elapsed_s"] + r["time_rollout_s"] + r["time_score_s"] + r["time_update_s"] + 4 < 14
     assert trainer_state.peek(out)["step"] == run["step"]
 
-    again = run_sh(tmp_path, *args, **{**env_vars, "EXPERIMENT_NAME": "renamed"})  # a label: resumes all the same
+    # a label: resumes all the same
+    again = run_sh(tmp_path, *args, runner=runner, **{**env_vars, "EXPERIMENT_NAME": "renamed"})
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout and "nothing to do" in again.stdout
     assert "alignment check" not in again.stdout  # no step ran
@@ -94,13 +100,13 @@ def _hold_lock(out: Path) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
-def test_run_sh_exits_75_at_once_when_another_run_holds_output_dir(tmp_path, nproc):
+def test_run_sh_exits_75_at_once_when_another_run_holds_output_dir(tmp_path, nproc, runner):
     out = tmp_path / "out"
     holder = _hold_lock(out)
     try:
         before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
         t0 = time.monotonic()
-        proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(out), NPROC=nproc, timeout=60)
+        proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(out), NPROC=nproc, timeout=60, runner=runner)
         took = time.monotonic() - t0
     finally:
         holder.kill()
@@ -119,13 +125,13 @@ def _fake_command(path: Path, body: str) -> Path:
     return path
 
 
-def test_run_sh_launches_torchrun_with_nproc_after_a_preflight_and_propagates_its_status(tmp_path):
+def test_run_sh_launches_torchrun_with_nproc_after_a_preflight_and_propagates_its_status(tmp_path, runner):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _fake_command(bin_dir / "torchrun", f'printf "%s\\n" "$@" > {tmp_path}/torchrun.args\nexit 4\n')
     out = tmp_path / "out"
     path = f"{bin_dir}:{os.environ['PATH']}"
-    proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(out), NPROC="2", PATH=path)
+    proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(out), NPROC="2", PATH=path, runner=runner)
     assert proc.returncode == 4
     argv = (tmp_path / "torchrun.args").read_text().splitlines()
     assert argv == ["--standalone", "--nproc-per-node", "2", "-m", "opdkit", "train", "--out", str(out), "-p", "none",
@@ -134,7 +140,7 @@ def test_run_sh_launches_torchrun_with_nproc_after_a_preflight_and_propagates_it
     assert not out.exists()  # the preflight (`opdkit train --check`) writes nothing
 
     (tmp_path / "torchrun.args").unlink()
-    proc = run_sh(tmp_path, "budget.max_steps=two", OUTPUT_DIR=str(out), NPROC="2", PATH=path)
+    proc = run_sh(tmp_path, "budget.max_steps=two", OUTPUT_DIR=str(out), NPROC="2", PATH=path, runner=runner)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert not (tmp_path / "torchrun.args").exists()  # bad input never reaches torchrun
 
@@ -154,12 +160,12 @@ FAKE_TRAINERS = {
 
 
 @pytest.mark.parametrize("case", list(FAKE_TRAINERS))
-def test_run_sh_never_reports_success_without_a_valid_final_checkpoint(tmp_path, case):
+def test_run_sh_never_reports_success_without_a_valid_final_checkpoint(tmp_path, case, runner):
     body, expected = FAKE_TRAINERS[case]
     config = asset("student") / "config.json"
-    fake_python = _fake_command(tmp_path / "python", (
+    fake_python = _fake_command(tmp_path / "python", (  # (the other commands, validate: the warm runner's python)
         f'if [[ "$1 $2 $3" == "-m opdkit train" ]]; then\n{body.format(config=config)}\nexit 0\nfi\n'
-        f'exec {sys.executable} "$@"\n'))
+        f'exec {runner.python} "$@"\n'))
     out = tmp_path / "out"
     proc = run_sh(tmp_path, OUTPUT_DIR=str(out), PYTHON=str(fake_python))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -168,10 +174,12 @@ def test_run_sh_never_reports_success_without_a_valid_final_checkpoint(tmp_path,
 
 
 @pytest.mark.slow
-def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_path):
+def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_path, runner):
     out = tmp_path / "out"
+    # (the trainer started by the real interpreter, as always; run.sh's validation of the survivors in a child of
+    # the warm runner)
     proc = subprocess.Popen(["bash", str(RUN_SH), *TINY, "budget.max_steps=200", "publish.every_steps=1"],
-                            cwd=tmp_path, env=env(OUTPUT_DIR=str(out)), text=True,
+                            cwd=tmp_path, env=runner.env(real_trainer=True, OUTPUT_DIR=str(out)), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     metrics = out / "metrics" / "train.jsonl"
     deadline = time.monotonic() + 240
@@ -199,7 +207,7 @@ def test_sigterm_to_run_sh_stops_the_trainer_cleanly_and_lists_survivors(tmp_pat
 
 
 @pytest.mark.slow
-def test_bash_run_sh_with_only_the_orchestrators_variables_is_s1s_formal_replay(tmp_path, tmp_path_factory):
+def test_bash_run_sh_with_only_the_orchestrators_variables_is_s1s_formal_replay(tmp_path, tmp_path_factory, runner):
     """On the real-scale fixture (a DAPO-shaped table, a qwen2 pair with the Qwen2.5 tokenizer): the wall budget
     is spent while loading (reserve = budget - 1 s), so the run publishes its step-0 export and ends there,
     having written the resolved config that a 12-hour run would train with."""
@@ -208,7 +216,9 @@ def test_bash_run_sh_with_only_the_orchestrators_variables_is_s1s_formal_replay(
     orchestrator = dict(STUDENT_MODEL=str(fx / "student"), TEACHER_MODEL=str(fx / "teacher"),
                         TRAIN_DATA=str(fx / "data" / "train.parquet"), OUTPUT_DIR=str(out), CKPT_DIR=str(ckpt),
                         MAX_WALL_TIME_SECONDS="2", DEADLINE_RESERVE_SECONDS="1", EXPERIMENT_NAME="s1 formal")
-    proc = run_sh(tmp_path, timeout=600, **orchestrator)
+    # (the trainer started by the real interpreter: its start-up is part of what spends the budget; the validation
+    # of its final checkpoint in a child of the warm runner)
+    proc = run_sh(tmp_path, timeout=600, runner=runner, real_trainer=True, **orchestrator)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"recipe {RUN_SH.parent / 'recipes' / 's1_cosine.yaml'}" in proc.stdout
     from opdkit.config import load_config
@@ -224,7 +234,7 @@ def test_bash_run_sh_with_only_the_orchestrators_variables_is_s1s_formal_replay(
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["reason"], run["step"]) == ("completed", "wall_clock", 0)
     # the same OUTPUT_DIR and CKPT_DIR again: the run resumes from CKPT_DIR's state and has nothing to do
-    again = run_sh(tmp_path, timeout=600, **orchestrator)
+    again = run_sh(tmp_path, timeout=600, runner=runner, real_trainer=True, **orchestrator)
     assert again.returncode == 0 and f"resuming from {ckpt / 'trainer_state-0'}" in again.stdout, again.stderr[-2000:]
 
 
@@ -296,11 +306,12 @@ def _release(holder: subprocess.Popen) -> None:
     holder.wait()
 
 
-def test_run_sh_exits_75_when_another_run_holds_ckpt_dir(tmp_path):
+def test_run_sh_exits_75_when_another_run_holds_ckpt_dir(tmp_path, runner):
     ckpt = tmp_path / "ckpt"
     holder = _hold("from opdkit.persist.fsutil import OutputLock\nOutputLock(sys.argv[1]).acquire()", str(ckpt))
     try:
-        proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(tmp_path / "out"), CKPT_DIR=str(ckpt), timeout=120)
+        proc = run_sh(tmp_path, "budget.max_steps=2", OUTPUT_DIR=str(tmp_path / "out"), CKPT_DIR=str(ckpt), timeout=120,
+                      runner=runner)
     finally:
         _release(holder)
     assert proc.returncode == 75, proc.stderr
@@ -314,12 +325,12 @@ GPU = ["runtime.device_lock=always"]  # the lock applies on CUDA devices; `alway
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
-def test_run_sh_exits_75_while_an_evaluation_holds_the_gpu(tmp_path, nproc):
+def test_run_sh_exits_75_while_an_evaluation_holds_the_gpu(tmp_path, nproc, runner):
     lock = tmp_path / "gpu.lock"
     holder = _hold("from opdkit.persist.fsutil import DeviceLock\nDeviceLock(False, sys.argv[1]).acquire()", str(lock))
     try:
         proc = run_sh(tmp_path, *TINY, *GPU, "budget.max_steps=2", OUTPUT_DIR=str(tmp_path / "out"), NPROC=nproc,
-                      OPDKIT_GPU_LOCK=str(lock), timeout=120)
+                      OPDKIT_GPU_LOCK=str(lock), timeout=120, runner=runner)
     finally:
         _release(holder)
     assert proc.returncode == 75, proc.stderr
@@ -328,19 +339,21 @@ def test_run_sh_exits_75_while_an_evaluation_holds_the_gpu(tmp_path, nproc):
     assert not (tmp_path / "out").exists()
 
 
-def _eval(tmp_path, lock: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opdkit", "eval", "--model", str(asset("student")), "--out",
+def _eval(runner, tmp_path, lock: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``python -m opdkit eval`` of the student, with the warm runner's python (a child of the runner)."""
+    return subprocess.run([runner.python, "-m", "opdkit", "eval", "--model", str(asset("student")), "--out",
                            str(tmp_path / "eval.json"), "-p", "none", "--quiet", *sum((["-S", kv] for kv in
                            [*GPU, "eval.max_questions=2", "eval.n_samples=1", "eval.max_new_tokens=8", *extra]), [])],
-                          cwd=tmp_path, env=env(OPDKIT_GPU_LOCK=str(lock)), text=True, capture_output=True, timeout=300)
+                          cwd=tmp_path, env=runner.env(OPDKIT_GPU_LOCK=str(lock)), text=True, capture_output=True,
+                          timeout=300)
 
 
-def test_opdkit_eval_exits_75_while_training_holds_the_gpu_and_runs_once_it_is_released(tmp_path):
+def test_opdkit_eval_exits_75_while_training_holds_the_gpu_and_runs_once_it_is_released(tmp_path, runner):
     lock = tmp_path / "gpu.lock"
     holders = [_hold("from opdkit.persist.fsutil import DeviceLock\nDeviceLock(True, sys.argv[1]).acquire()", str(lock))
                for _ in range(2)]  # two trainings share the GPU
     try:
-        proc = _eval(tmp_path, lock)
+        proc = _eval(runner, tmp_path, lock)
         assert proc.returncode == 75, proc.stderr
         assert proc.stderr.splitlines()[-1].startswith(f"opdkit: the GPU workload lock {lock} is taken: training runs "
                                                        "hold it (shared)")
@@ -348,13 +361,13 @@ def test_opdkit_eval_exits_75_while_training_holds_the_gpu_and_runs_once_it_is_r
         # a third training may join them
         out = tmp_path / "out"
         proc = run_sh(tmp_path, *TINY, *GPU, "budget.max_steps=1", "publish.every_steps=1", OUTPUT_DIR=str(out),
-                      OPDKIT_GPU_LOCK=str(lock), MAX_WALL_TIME_SECONDS="0")
+                      OPDKIT_GPU_LOCK=str(lock), MAX_WALL_TIME_SECONDS="0", runner=runner)
         assert proc.returncode == 0, proc.stderr[-2000:]
     finally:
         for h in holders:
             _release(h)
     # run.sh returns once its trainer has exited: the GPU is free for an evaluation of its checkpoint at once
-    proc = _eval(tmp_path, lock)
+    proc = _eval(runner, tmp_path, lock)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "eval.json").read_text())["n_questions"] == 2
 
@@ -399,19 +412,21 @@ def _fake_nvidia_smi(bin_dir: Path, apps: str) -> Path:
         '  *) exit 9 ;;\nesac\n'))
 
 
-def _eval_with_path(tmp_path: Path, bin_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opdkit", "eval", "--model", str(asset("student")), "--out",
+def _eval_with_path(runner, tmp_path: Path, bin_dir: Path) -> subprocess.CompletedProcess:
+    """``python -m opdkit eval`` with the warm runner's python (a child of the runner: nvidia-smi's $PPID)."""
+    return subprocess.run([runner.python, "-m", "opdkit", "eval", "--model", str(asset("student")), "--out",
                            str(tmp_path / "eval.json"), "-p", "none", "--quiet", *sum((["-S", kv] for kv in
                            [*GPU, "eval.max_questions=2", "eval.n_samples=1", "eval.max_new_tokens=8"]), [])],
                           cwd=tmp_path, text=True, capture_output=True, timeout=300,
-                          env=env(OPDKIT_GPU_LOCK=str(tmp_path / "gpu.lock"), CUDA_VISIBLE_DEVICES="",
-                                  PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"))
+                          env=runner.env(OPDKIT_GPU_LOCK=str(tmp_path / "gpu.lock"), CUDA_VISIBLE_DEVICES="",
+                                         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"))
 
 
-def test_opdkit_eval_exits_75_naming_another_compute_process_on_its_gpu_and_ignores_itself_and_other_gpus(tmp_path):
+def test_opdkit_eval_exits_75_naming_another_compute_process_on_its_gpu_and_ignores_itself_and_other_gpus(tmp_path,
+                                                                                                          runner):
     bin_dir = tmp_path / "bin"
     _fake_nvidia_smi(bin_dir, '"4242, /usr/bin/python3 -m vllm.entrypoints.openai.api_server, GPU-aaaa"')
-    proc = _eval_with_path(tmp_path, bin_dir)
+    proc = _eval_with_path(runner, tmp_path, bin_dir)
     assert proc.returncode == 75, proc.stderr[-2000:]
     (line,) = proc.stderr.splitlines()
     assert line == ("opdkit: GPU 0 is in use by another compute process (pid 4242: /usr/bin/python3 -m "
@@ -420,6 +435,6 @@ def test_opdkit_eval_exits_75_naming_another_compute_process_on_its_gpu_and_igno
     assert not (tmp_path / "eval.json").exists()
     # the process asking (the evaluation itself) and a process on another GPU do not count
     _fake_nvidia_smi(bin_dir, '"$PPID, python3, GPU-aaaa" "777, python3 train.py, GPU-bbbb"')
-    proc = _eval_with_path(tmp_path, bin_dir)
+    proc = _eval_with_path(runner, tmp_path, bin_dir)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "eval.json").read_text())["n_questions"] == 2

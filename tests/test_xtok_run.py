@@ -192,7 +192,7 @@ def test_the_colocated_vllm_teacher_scores_the_retokenized_ids(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["k1", "rkl"])
-def test_two_processes_across_tokenizers_match_one(bpe_teacher, tmp_path, loss):
+def test_two_processes_across_tokenizers_match_one(bpe_teacher, tmp_path, loss, runner):
     """torchrun, 2 gloo ranks (FSDP2): each rank re-tokenizes and aligns its own rows and runs the head's
     no-grad pre-pass of merged spans on its own (the root is gathered then: no collective), one position
     per chunk; the steps equal one process's up to the order of float sums."""
@@ -204,8 +204,11 @@ def test_two_processes_across_tokenizers_match_one(bpe_teacher, tmp_path, loss):
     repo = Path(__file__).resolve().parents[1]
     sets = [*TINY, f"loss.name={loss}", f"teacher.path={bpe_teacher}", "runtime.logprob_chunk=1",
             "rollout.prompts_per_step=4", "rollout.max_new_tokens=48"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "opdkit",
-           "train", "--out", str(tmp_path / "two"), "-p", "none", "--quiet", *[x for kv in sets for x in ("-S", kv)]]
+    # (--no-python: each rank is `RUNNER_PYTHON -m opdkit train ...`, its command in a child of the warm runner,
+    # conftest, with the rank's environment: spared a fresh interpreter's imports per rank)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
+           str(runner.python), "-m", "opdkit", "train", "--out", str(tmp_path / "two"), "-p", "none", "--quiet",
+           *[x for kv in sets for x in ("-S", kv)]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
     r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300)  # a hang fails here
     assert r.returncode == 0, r.stderr[-3000:]
