@@ -162,15 +162,31 @@ def _order_key(raw):
 
 
 @triton.jit
-def _key_z(key, tau_ptr, dtype, TEMPERED: tl.constexpr):
-    """z = value / τ in float64 of the 16-bit float (``dtype``) whose sort key is ``key`` (``_order_key``'s
-    inverse), as ``policy_logits`` divides."""
-    bits = tl.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)
-    bits = tl.where(bits >= 0x8000, bits - 0x10000, bits)  # as a signed 16-bit integer
-    z = bits.to(tl.int16).to(dtype, bitcast=True).to(tl.float32).to(tl.float64)
+def _z64(x, tau_ptr, TEMPERED: tl.constexpr):
+    """z = x / τ in float64 (float64 τ at ``tau_ptr``), as ``policy_logits`` divides the float64 logits."""
+    z = x.to(tl.float32).to(tl.float64)
     if TEMPERED:
         z = z / tl.load(tau_ptr)
     return z
+
+
+@triton.jit
+def _key_z(key, tau_ptr, dtype, TEMPERED: tl.constexpr):
+    """``_z64`` of the 16-bit float (``dtype``) whose sort key is ``key`` (``_order_key``'s inverse)."""
+    bits = tl.where(key >= 0x8000, key - 0x8000, 0xFFFF - key)
+    bits = tl.where(bits >= 0x8000, bits - 0x10000, bits)  # as a signed 16-bit integer
+    return _z64(bits.to(tl.int16).to(dtype, bitcast=True), tau_ptr, TEMPERED)
+
+
+@triton.jit
+def _row_block(raw_ptr, stride_raw, n_vocab, BLOCK: tl.constexpr):
+    """Program (b, j)'s block of logits: (b, j, the ids v, v < n_vocab, the logits at v in their dtype; 0 past
+    n_vocab)."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    v = j * BLOCK + tl.arange(0, BLOCK)
+    valid = v < n_vocab
+    return b, j, v, valid, tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0)
 
 
 @triton.jit
@@ -179,15 +195,9 @@ def nucleus_hist_kernel(raw_ptr, tau_ptr, hist_ptr, bmax_ptr, n_vocab, stride_ra
     """Block j of row b's logits (16-bit floats): each id counted into the row's histogram of sort keys (``hist``
     (B, 65536) int32, zero before), and the block's largest z (``bmax``)."""
     _pdl_enter(PDL)
-    b = tl.program_id(0)
-    j = tl.program_id(1)
-    v = j * BLOCK + tl.arange(0, BLOCK)
-    valid = v < n_vocab
-    raw = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0)
+    b, j, v, valid, raw = _row_block(raw_ptr, stride_raw, n_vocab, BLOCK)
     tl.atomic_add(hist_ptr + b * 65536 + _order_key(raw), 1, mask=valid, sem="relaxed")
-    z = raw.to(tl.float32).to(tl.float64)
-    if TEMPERED:
-        z = z / tl.load(tau_ptr)
+    z = _z64(raw, tau_ptr, TEMPERED)
     tl.store(bmax_ptr + b * NBLK + j, tl.max(tl.where(valid, z, float("-inf")), 0))
 
 
@@ -249,11 +259,7 @@ def nucleus_ties_kernel(raw_ptr, skey_ptr, ties_ptr, n_vocab, stride_raw, NBLK: 
                         PDL: tl.constexpr):
     """Block j of row b: how many of its ids have the sort key k of ``nucleus_pick_kernel`` (``ties`` (B, NBLK))."""
     _pdl_enter(PDL)
-    b = tl.program_id(0)
-    j = tl.program_id(1)
-    v = j * BLOCK + tl.arange(0, BLOCK)
-    valid = v < n_vocab
-    raw = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0)
+    b, j, v, valid, raw = _row_block(raw_ptr, stride_raw, n_vocab, BLOCK)
     hit = valid & (_order_key(raw) == tl.load(skey_ptr + b * 2).to(tl.int32))
     tl.store(ties_ptr + b * NBLK + j, tl.sum(hit.to(tl.int32), 0))
 
@@ -269,11 +275,7 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s
     ``ties`` unread without it): over the ids of the nucleus only: those of sort keys above k and the first n of
     key k in id order."""
     _pdl_enter(PDL)
-    b = tl.program_id(0)
-    j = tl.program_id(1)
-    v = j * BLOCK + tl.arange(0, BLOCK)
-    valid = v < n_vocab
-    raw_x = tl.load(raw_ptr + b * stride_raw + v, mask=valid, other=0.0)
+    b, j, v, valid, raw_x = _row_block(raw_ptr, stride_raw, n_vocab, BLOCK)
     raw = raw_x.to(tl.float32)
     keep = valid
     if NUCLEUS:
@@ -284,10 +286,9 @@ def gumbel_kernel(raw_ptr, seeds_ptr, t_ptr, tau_ptr, val_ptr, idx_ptr, m_ptr, s
         before = tl.sum(tl.load(ties_ptr + b * NBLK + jj, mask=jj < j, other=0), 0)  # key k's ids in earlier blocks
         rank = before + tl.cumsum(tie.to(tl.int32), 0) - 1  # among the ids of key k
         keep = valid & ((okey > kstar) | (tie & (rank < tl.load(skey_ptr + b * 2 + 1))))
-    z = raw.to(tl.float64)
+    z = _z64(raw, tau_ptr, TEMPERED)
     z32 = raw
     if TEMPERED:
-        z = z / tl.load(tau_ptr)  # float64 τ: z / τ as policy_logits divides
         z32 = raw * inv_tau  # as torch divides a CUDA float32 tensor by a Python float: times its float32 reciprocal
     seed = tl.load(seeds_ptr + b).to(tl.uint64)
     t = tl.load(t_ptr).to(tl.uint64)
