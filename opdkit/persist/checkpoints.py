@@ -46,14 +46,13 @@ from typing import Any
 
 import torch
 
-from opdkit.persist.fsutil import is_transient
+from opdkit.persist.fsutil import is_transient, list_checkpoints, step_of  # noqa: F401 (listing: re-exported)
 
 FORMAT = 1
 MANIFEST = "opdkit.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -368,20 +367,7 @@ def _validate_by_loading(path: Path) -> None:
         raise InvalidCheckpoint(path, f"tokenizer has {len(tokenizer)} tokens, the model {n_embeddings} embeddings")
 
 
-# --- listing ----------------------------------------------------------------------------------
-
-
-def step_of(path: Path) -> int:
-    """The step of a ``checkpoint-<step>`` dir."""
-    return int(_CKPT_RE.match(path.name)[1])
-
-
-def list_checkpoints(root) -> list[Path]:
-    """``root/checkpoint-<int>`` dirs sorted by step (valid or not)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if _CKPT_RE.match(p.name) and p.is_dir()), key=step_of)
+# --- listing (step_of, list_checkpoints: opdkit.persist.fsutil, torch-free) ---------------------------
 
 
 def surviving_checkpoints_message(root) -> str:

@@ -7,6 +7,8 @@
   state directory (``runtime.state_dir``, run.sh's ``CKPT_DIR``) gets one of its own.
 - ``DeviceLock``: the GPU workload lock, one file per machine (``$OPDKIT_GPU_LOCK``, default
   ``/tmp/opdkit-gpu.lock``): training holds it shared, evaluation exclusively.
+- ``list_checkpoints`` / ``step_of``: a run's ``checkpoint-<step>`` directories, by step (what is in them:
+  ``opdkit.persist.checkpoints``, which imports torch; these do not, for the stage drivers that only list them).
 - ``explain_storage_errors``: a full disk, quota or read-only file system (never retried) becomes
   ``StorageError``, whose message names the directory, the bytes needed and the bytes free.
 
@@ -20,6 +22,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -324,3 +327,21 @@ def _read_holder(fd: int) -> str:
     except OSError:
         text = ""
     return text or "pid unknown"
+
+
+# --- a run's checkpoint-<step> directories ----------------------------------------------------
+
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def step_of(path: Path) -> int:
+    """The step of a ``checkpoint-<step>`` dir."""
+    return int(_CKPT_RE.match(path.name)[1])
+
+
+def list_checkpoints(root) -> list[Path]:
+    """``root/checkpoint-<int>`` dirs sorted by step (valid or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _CKPT_RE.match(p.name) and p.is_dir()), key=step_of)

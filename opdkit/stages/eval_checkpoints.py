@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from opdkit.cli import main as opdkit_main
-from opdkit.persist.checkpoints import list_checkpoints, step_of
+from opdkit.persist.fsutil import list_checkpoints, step_of
 from opdkit.studies.report import read_jsonl
 
 

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from opdkit.config import ConfigError, load_config as load_as_is, to_dict
-from opdkit.persist.checkpoints import step_of
+from opdkit.persist.fsutil import step_of
 from opdkit.recipes import load_config
 from opdkit.stages.eval_checkpoints import check_last_step, eval_argv, eval_out, write_curve
 from opdkit.stages.jobs import Job, run_jobs
