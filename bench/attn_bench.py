@@ -1,8 +1,9 @@
 """The decode step's attention at batch 8 on one GPU, at the contexts a long rollout passes through: the kit's
 rotary + cache-write + flash-decoding partials kernel and its merge (``opdkit.engines.decode_kernels.
-rope_attention``) over launch settings and split counts, against the same kernel of another kit copy (``--before``:
-its ``opdkit/engines/decode_triton.py``, launched as that kit launched it), each as the static decoder runs it: L
-distinct caches (one per layer, so nothing is re-read from L2) called back to back inside one CUDA graph.
+rope_attention``) over launch settings, blocks and split counts, against the same kernel of another kit copy
+(``--before``: its ``opdkit/engines/decode_triton.py``, launched as that kit launched it), each as the static
+decoder runs it: L distinct caches (one per layer, so nothing is re-read from L2) called back to back inside one
+CUDA graph.
 
     python bench/attn_bench.py --out /tmp/out --before .speed/head/opdkit/engines/decode_triton.py
     python bench/attn_bench.py --out /tmp/out --device cpu   # a dry run of the code paths (Triton's interpreter)
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--capacities", default="1264,7408", help="cache slots (prompt + new tokens + 16)")
+    ap.add_argument("--capacities", default="1264,3312,7408", help="cache slots (prompt + new tokens + 16)")
     ap.add_argument("--contexts", default="256,1024,2048,4096,7168", help="visible slots (those <= the capacity)")
     ap.add_argument("--budget-s", type=float, default=150.0)
     args = ap.parse_args(argv)
@@ -69,18 +70,18 @@ def main(argv=None) -> int:
         before.rope_attn_partial_kernel[(B, K, plan.nsplit)](
             qkv, cos, sin, pos, kc, vc, start, end_1, end_offset, plan.acc, plan.m, plan.l, D ** -0.5, qkv.stride(0),
             sb, sk, sl, H=H, K=K, G=G, GP=max(16, dk._next_pow2(G)), D=D, CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N,
-            NSPLIT=plan.nsplit, IEEE=qkv.dtype == torch.float32)
+            NSPLIT=plan.nsplit, IEEE=qkv.dtype == torch.float32, STATIC_LOOP=cpu, PDL=False)
         o = torch.empty((B, H, D), dtype=qkv.dtype, device=qkv.device)
         before.attn_reduce_kernel[(B * H,)](plan.acc, plan.m, plan.l, o, NSPLIT=plan.nsplit,
-                                            NSP=dk._next_pow2(plan.nsplit), D=D)
+                                            NSP=dk._next_pow2(plan.nsplit), D=D, PDL=False)
         return o
 
-    variants = ([("before", dict(), launch_before)] if before is not None else []) + [
-        ("new", dict(), None)] + [(f"new warps={w} stages={st}", dict(num_warps=w, num_stages=st), None)
-                                  for w in (4, 8) for st in (1, 2, 3, 4) if (w, st) != (4, 3)] + [
-        (f"new programs={p}", dict(programs=p), None) for p in (1024, 2048)]  # more splits: other bits
+    variants = ([("before", dict(), launch_before)] if before is not None else []) + [("new", dict(), None)] + [
+        (f"new block={bn} stages={st}", dict(block_n=bn, num_stages=st), None)
+        for bn in (64, 32) for st in (2, 3, 4) if (bn, st) != (64, 3)] + [
+        (f"new block=32 stages=3 programs={p}", dict(block_n=32, num_stages=3, programs=p), None) for p in (256, 1024)]
     if cpu:
-        variants = variants[:2] + [v for v in variants if v[0] == "new programs=1024"]
+        variants = variants[:2] + [v for v in variants if v[0] == "new block=32 stages=3 programs=1024"]
 
     def emit(row: dict) -> None:
         with open(out / "attn.jsonl", "a") as f:

@@ -43,6 +43,11 @@
 #                                (.speed/head) and this kit with its default and the fastest settings (~7 min)
 #   q4: carry .lane              (a short call) the static decoder at 1,024 at 0.6 / 0.95 (batch 8); the sampling kernels'
 #                                GPU test; the sampling tail at 0.6 / 0.95; the decoder at 0.7 / 0.9, batch 64 (~4 min)
+#   r1: carry .lane .speed .v0   the attention kernels before (.speed/head) / after over blocks, stages and splits at the
+#                                capacities of 1,024 / 3,072 / 7,168 new tokens (bench/attn_bench.py); the static decoder
+#                                at 1,024 and 7,168 new tokens, the kit before and this kit (digests, log-probs) (~7 min)
+#   r2: carry .lane .v1          the decoder's GPU tests; the static decoder at 1,024 / 7,168; S1 at 7,168 (3 steps) and
+#                                1,024 (4 steps) (~8 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -74,6 +79,11 @@ s1_run() {  # NAME STEPS SECONDS [ARGS]: S1 (bench/real_lane.py train) into $R/r
   lim "$secs" python3 bench/real_lane.py train --root "$R" --out "$OUT" --name "$name" --recipe s1 --steps "$steps" "$@" \
     >> "$OUT/parts.txt" 2>&1
   rm -rf "$R/runs/$name"
+}
+logp_diff() {  # DIR WHAT: the recorded log-probs of the kit before (DIR/head_new.pt) and this kit (DIR/this_new.pt)
+  lim 60 python3 -c "import torch; a, b = torch.load('$1/head_new.pt'), torch.load('$1/this_new.pt'); \
+d = (a - b).abs(); print(f'$2: recorded log-probs, kit before vs this kit: max |d| {d.max():.3e}, mean {d.mean():.3e}, \
+{int((d > 0).sum())} of {d.numel()} differ')" >> "$OUT/logp_diff.txt" 2>&1
 }
 s1_1024_before_after() {  # SECONDS: S1 at 1,024 new tokens, 4 steps, of the kit before (.speed/head) and this kit
   s1_run s1_1024_before 4 "$1" --kit .speed/head -S rollout.max_new_tokens=1024
@@ -176,6 +186,27 @@ print(f\"{r['block']},{r['warps']}\")")
     lim 50 python3 bench/s1_speed.py sample --out "$OUT" --temperature 0.6 --top-p 0.95 >> "$OUT/parts.txt" 2>&1
     lim 70 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
       --temperature 0.7 --top-p 0.9 --prompts 16 >> "$OUT/parts.txt" 2>&1
+    ;;
+  r1)
+    lim 200 python3 bench/attn_bench.py --out "$OUT" --before .speed/head/opdkit/engines/decode_triton.py \
+      --budget-s 180 > "$OUT/attn_log.txt" 2>&1
+    for T in 1024 7168; do
+      for kit in .speed/head ""; do
+        lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens $T \
+          --impls new --save-logp "/tmp/logp_$T" >> "$OUT/parts.txt" 2>&1
+      done
+      logp_diff "/tmp/logp_$T" "$T new tokens"
+    done
+    ;;
+  r2)
+    decoder_tests 240
+    for T in 1024 7168; do
+      lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens $T --impls new \
+        --save-logp "/tmp/logp2_$T" >> "$OUT/parts.txt" 2>&1
+      cp "/tmp/logp_$T/head_new.pt" "/tmp/logp2_$T/" 2>/dev/null && logp_diff "/tmp/logp2_$T" "$T new tokens (r2)"
+    done
+    s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
+    s1_run s1_1024 4 100 -S rollout.max_new_tokens=1024
     ;;
   h4)
     for T in 1024 3072; do

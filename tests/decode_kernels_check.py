@@ -32,8 +32,8 @@ def kernels() -> None:
     cos, sin = torch.cat([ang_P.cos()] * 2, -1), torch.cat([ang_P.sin()] * 2, -1)
     pos = torch.tensor([5, 17, 399])
     kc, vc = torch.randn(B, K, L, D), torch.randn(B, K, L, D)
-    for programs in (4, 24, 512):  # 1, 4 and many splits of the cache
-        plan = dk.AttentionPlan(B, H, K, D, L, "cpu", programs=programs)
+    for programs, block_n in ((4, 64), (24, 64), (512, 64), (24, 32)):  # 1, 4 and many splits; smaller blocks
+        plan = dk.AttentionPlan(B, H, K, D, L, "cpu", programs=programs, block_n=block_n)
         for start, end in (([0, 40, 250], 260), ([0, 0, 0], 1), ([299, 10, 0], 300), ([0, 5, 9], 64), ([3, 3, 3], 65)):
             kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
             want = dk.rope_attention_ref(qkv, cos, sin, pos, kc1, vc1, torch.tensor(start), end, D ** -0.5, H, K)
@@ -41,7 +41,7 @@ def kernels() -> None:
                                     D ** -0.5, plan, H, K, end_offset=7)
             err = float((want - got).abs().max())
             caches = torch.equal(kc1, kc2) and torch.equal(vc1, vc2) and not torch.equal(kc1, kc)
-            check(f"rope_attention splits={plan.nsplit} start={start} end={end}", caches and err < 1e-5,
+            check(f"rope_attention splits={plan.nsplit} block={block_n} start={start} end={end}", caches and err < 1e-5,
                   f"max err {err:.2e}, caches {'as the reference' if caches else 'DIFFER'}")
     x, w = torch.randn(B, 96) * 3, torch.randn(96)
     err = float((dk.rms_norm_ref(x, w, 1e-6) - dk.rms_norm(x, w, 1e-6)).abs().max())

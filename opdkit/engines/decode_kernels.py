@@ -191,21 +191,22 @@ def _next_pow2(n: int) -> int:
 
 class AttentionPlan:
     """The split of a cache of ``L`` slots over (B, K) heads for ``attention`` (flash decoding), with
-    its preallocated float32 partials, so a CUDA graph can replay it: NSPLIT splits of CHUNK slots
-    (about 512 programs in all), each program reading only the visible slots of its split; ``num_warps`` /
-    ``num_stages``: the partials kernel's launch (``bench/attn_bench.py`` measures them; on an H200 the stages
-    changed no bit, 8 warps did at 7,408 slots; the defaults are Triton's, 4 and 3); ``pdl``: launched with
-    programmatic dependent launch (``pdl_available``)."""
+    its preallocated float32 partials, so a CUDA graph can replay it: NSPLIT splits (about ``programs`` programs in
+    all) sharing the visible slots of each step in whole blocks of ``block_n`` slots (at most CHUNK = ``chunk``
+    slots a split, at the capacity), each program reading only the visible slots of its split; ``num_warps`` /
+    ``num_stages``: the partials kernel's launch (on an H200 the stages changed no bit, 8 warps did at 7,408 slots).
+    The defaults are the fastest of ``bench/attn_bench.py``'s grid on an H200 at 1,264 / 3,312 / 7,408 slots
+    (2026-12-03, BENCHMARKS.md: 22.3 us a layer at 7,168 visible slots, was 25.1); ``pdl``: launched with
+    programmatic dependent launch (``pdl_available``). The split and ``block_n`` decide the order in which the
+    online softmax sums a row's slots: another split or block gives other float32 roundings of the same sums."""
 
-    BLOCK_N = 64
-
-    def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 512, num_warps: int = 4,
-                 num_stages: int = 3, pdl: bool = False):
+    def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 256, num_warps: int = 4,
+                 num_stages: int = 3, pdl: bool = False, block_n: int = 32):
         self.B, self.H, self.K, self.D, self.L = B, H, K, D, L
-        self.num_warps, self.num_stages, self.pdl = num_warps, num_stages, pdl
+        self.num_warps, self.num_stages, self.pdl, self.BLOCK_N = num_warps, num_stages, pdl, block_n
         splits = max(1, min(64, _next_pow2(-(-programs // (B * K)))))  # programs / (B K) splits, at most 64
         per_split = -(-L // splits)
-        self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N  # slots per split, whole blocks
+        self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N  # slots per split at the capacity, whole blocks
         self.nsplit = -(-L // self.chunk)
         self.acc = torch.empty((B, H, self.nsplit, D), dtype=torch.float32, device=device)
         self.m = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)

@@ -62,15 +62,18 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
     """Program (b, kh, s): the G query heads of K/V head kh of row b rotated at the row's position (from the raw
     q/k/v projection), the split holding the new token's slot (end - 1) writing its rotated k and its v into the
     caches, then flash-decoding partials over the visible slots of split s (a split with none writes m = -inf and
-    l = 0 only: ``attn_reduce_kernel`` gives it weight 0 without reading its partials)."""
+    l = 0 only: ``attn_reduce_kernel`` gives it weight 0 without reading its partials). The splits share the
+    slots [0, end) of this step, whole blocks of BLOCK_N each (``chunk`` <= CHUNK, the split at the capacity), so
+    every split has work at every context, not only once the rollout has filled the cache."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
     start = tl.load(start_ptr + b)
     end = tl.load(end_ptr) + end_offset
-    lo = tl.maximum(start, s * CHUNK)
-    hi = tl.minimum(end, s * CHUNK + CHUNK)
+    chunk = tl.cdiv(tl.cdiv(end, NSPLIT), BLOCK_N) * BLOCK_N  # this step's slots per split, whole blocks
+    lo = tl.maximum(start, s * chunk)
+    hi = tl.minimum(end, s * chunk + chunk)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     gmask = g < G
@@ -81,7 +84,7 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
     sin = tl.load(sin_ptr + pos * D + d).to(tl.float32)
     row = qkv_ptr + b * stride_qkv
     slot = end - 1
-    if (slot >= s * CHUNK) & (slot < s * CHUNK + CHUNK):  # this split reads the new slot: it writes it first
+    if (slot >= s * chunk) & (slot < s * chunk + chunk):  # this split reads the new slot: it writes it first
         krow = row + (H + kh) * D
         k_new = _rotate(tl.load(krow + d).to(tl.float32), tl.load(krow + dp).to(tl.float32), cos, sin, d, half)
         at = b * stride_cb + kh * stride_ck + slot * stride_cl + d
@@ -99,16 +102,16 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         base = b * stride_cb + kh * stride_ck
-        i_lo = (lo - s * CHUNK) // BLOCK_N  # the split's blocks holding a visible slot, in order
-        i_hi = (hi - s * CHUNK + BLOCK_N - 1) // BLOCK_N
+        i_lo = (lo - s * chunk) // BLOCK_N  # the split's blocks holding a visible slot, in order
+        i_hi = (hi - s * chunk + BLOCK_N - 1) // BLOCK_N
         if STATIC_LOOP:  # Triton's interpreter (some versions take no runtime loop bounds): the same blocks, in order
             for i in range(0, CHUNK // BLOCK_N):
                 if (i >= i_lo) & (i < i_hi):
-                    m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, base, s * CHUNK + i * BLOCK_N, lo, hi, stride_cl, d,
+                    m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, base, s * chunk + i * BLOCK_N, lo, hi, stride_cl, d,
                                                 m_i, l_i, acc, scale, BLOCK_N, IEEE)
         else:
             for i in range(i_lo, i_hi):  # runtime bounds: no branch in the body, so the loads pipeline (num_stages)
-                m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, base, s * CHUNK + i * BLOCK_N, lo, hi, stride_cl, d,
+                m_i, l_i, acc = _attn_block(q, k_ptr, v_ptr, base, s * chunk + i * BLOCK_N, lo, hi, stride_cl, d,
                                             m_i, l_i, acc, scale, BLOCK_N, IEEE)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
         tl.store(m_ptr + part, m_i, mask=gmask)
