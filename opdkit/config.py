@@ -26,6 +26,19 @@ class ConfigError(ValueError):
     """A params file or override that does not fit the schema (the message names the key)."""
 
 
+def parse_size(text: str, key: str = "max_shard_size") -> int:
+    """``"5GB"`` -> bytes (units as ``save_pretrained``: KB, MB, GB = powers of 1000; KiB ... of 1024)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        n = parse_size_to_int(str(text))
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{key}: expected a size such as 5GB or 500MB, got {text!r}")
+    return n
+
+
 SFT_SOURCES = ("teacher", "reference")  # loss.sft_source (and a pipeline control arm's sft_source)
 
 
@@ -261,6 +274,12 @@ class PublishConfig:
     # larger exports are split into shards + model.safetensors.index.json (as save_pretrained)
     max_shard_size: str = "5GB"
 
+    def __post_init__(self):
+        try:  # refused with the params, before `opdkit train` imports torch (not seconds later in its preflight)
+            parse_size(self.max_shard_size, "publish.max_shard_size")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -318,6 +337,8 @@ class RuntimeConfig:
     collective_timeout_s: float = 300.0
 
     def __post_init__(self):
+        if self.max_nonfinite_skips < 0:
+            raise ConfigError(f"runtime.max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}")
         if self.alignment_every < 0:
             raise ConfigError(f"params key 'runtime.alignment_every': expected >= 0 (0 = the first batch of each "
                               f"start only), got {self.alignment_every}")

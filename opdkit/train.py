@@ -97,7 +97,7 @@ from opdkit.persist.rundir import (
     is_published,
     step_row,
 )
-from opdkit.persist.weights_io import export_dtype, parse_size
+from opdkit.persist.weights_io import export_dtype
 from opdkit.schedules import lr_at, should_stop, wallclock_clock
 from opdkit.setup import Inputs, Run, RunError, build_run, code_revision, prepare_inputs
 
@@ -159,14 +159,11 @@ def preflight(cfg: Config, out: str | Path) -> Inputs:
     holds a run these params may resume. Reads ``out``, never changes it."""
     inputs = prepare_inputs(cfg)
     distributed.check_params(cfg, distributed.current())
-    try:
-        parse_size(cfg.publish.max_shard_size, "publish.max_shard_size")
+    try:  # (publish.max_shard_size and runtime.max_nonfinite_skips: checked with the params, opdkit.config)
         export_dtype(cfg.publish.dtype, inputs.student_path)
         tracking.resolve(cfg.tracking)
     except ValueError as e:
         raise RunError(str(e)) from None
-    if cfg.runtime.max_nonfinite_skips < 0:
-        raise RunError(f"runtime.max_nonfinite_skips must be >= 0, got {cfg.runtime.max_nonfinite_skips}")
     check_output_dir(Path(out), cfg, inputs)
     return inputs
 

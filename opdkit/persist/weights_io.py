@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from opdkit.config import parse_size
 from opdkit.persist.checkpoints import SAFETENSORS_DTYPES
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,19 +37,6 @@ def export_dtype(setting: str, source_dir) -> torch.dtype:
         raise ValueError(f"{source_dir}/config.json names dtype {name!r}; set publish.dtype to one of "
                          f"{', '.join(EXPORT_DTYPES)}")
     return EXPORT_DTYPES[name]
-
-
-def parse_size(text: str, key: str = "max_shard_size") -> int:
-    """``"5GB"`` -> bytes (units as ``save_pretrained``: KB, MB, GB = powers of 1000; KiB ... of 1024)."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-
-    try:
-        n = parse_size_to_int(str(text))
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise ValueError(f"{key}: expected a size such as 5GB or 500MB, got {text!r}")
-    return n
 
 
 def shard_plan(tensors: dict[str, torch.Tensor], max_shard_size: str | int) -> dict[str, dict[str, torch.Tensor]]:
