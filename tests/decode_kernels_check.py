@@ -32,7 +32,7 @@ def kernels() -> None:
     cos, sin = torch.cat([ang_P.cos()] * 2, -1), torch.cat([ang_P.sin()] * 2, -1)
     pos = torch.tensor([5, 17, 399])
     kc, vc = torch.randn(B, K, L, D), torch.randn(B, K, L, D)
-    for programs, block_n in ((4, 64), (24, 64), (512, 64), (24, 32)):  # 1, 4 and many splits; smaller blocks
+    for programs, block_n in ((4, 64), (24, 64), (512, 32), (512, 16)):  # 1, 2, 4 and 7 splits; smaller blocks
         plan = dk.AttentionPlan(B, H, K, D, L, "cpu", programs=programs, block_n=block_n)
         for start, end in (([0, 40, 250], 260), ([0, 0, 0], 1), ([299, 10, 0], 300), ([0, 5, 9], 64), ([3, 3, 3], 65)):
             kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
@@ -115,7 +115,10 @@ def kernels() -> None:
     raw = torch.stack([row0, torch.randn(Vn) * 0.01, torch.randn(Vn) * 3])
     for dtype in (torch.bfloat16, torch.float16):  # the nucleus search reads 16-bit logits
         for tau, top_p in ((1.0, 0.5), (0.6, 0.95)):
-            plan = dk.GumbelPlan(B, Vn - 3, tau, "cpu", block=256, top_p=top_p)
+            # chunks of 8,192 sort keys but once (the default 256 at the seeds' 0.6 / 0.95 in bf16): the interpreter
+            # runs the chunk-mass kernel's 256 programs a row in Python, ~6 s a step; the search is the same
+            chunk = None if (dtype, tau) == (torch.bfloat16, 0.6) else 8192
+            plan = dk.GumbelPlan(B, Vn - 3, tau, "cpu", block=256, top_p=top_p, chunk=chunk)
             ids, logp = torch.zeros((B, 2), dtype=torch.int64), torch.zeros((B, 2))
             ok, err = True, 0.0
             for t in (0, 1):
@@ -125,7 +128,8 @@ def kernels() -> None:
                                 torch.zeros(B, dtype=torch.bool), eos)
                 ok &= torch.equal(ids[:, t], want_ids)
                 err = max(err, float((logp[:, t] - want_logp).abs().max()))
-            check(f"sample_token top_p={top_p} tau={tau} {dtype}", ok and err < 2e-6, f"max log-prob err {err:.1e}")
+            check(f"sample_token top_p={top_p} tau={tau} {dtype} chunk={plan.CH}", ok and err < 2e-6,
+                  f"max log-prob err {err:.1e}")
 
 
 def decoder() -> None:

@@ -204,7 +204,9 @@ class AttentionPlan:
                  num_stages: int = 3, pdl: bool = False, block_n: int = 32):
         self.B, self.H, self.K, self.D, self.L = B, H, K, D, L
         self.num_warps, self.num_stages, self.pdl, self.BLOCK_N = num_warps, num_stages, pdl, block_n
-        splits = max(1, min(64, _next_pow2(-(-programs // (B * K)))))  # programs / (B K) splits, at most 64
+        # programs / (B K) splits, at most 64, and at least two blocks a split at the capacity (a smaller cache is
+        # not worth more programs and merge inputs: the 1.5B shape's 1,264 slots still split 16 ways, 96 slots each)
+        splits = max(1, min(64, _next_pow2(-(-programs // (B * K))), L // (2 * block_n)))
         per_split = -(-L // splits)
         self.chunk = -(-per_split // self.BLOCK_N) * self.BLOCK_N  # slots per split at the capacity, whole blocks
         self.nsplit = -(-L // self.chunk)
@@ -272,9 +274,10 @@ class GumbelPlan:
     CH = 256  # the sort keys of one program of nucleus_mass_kernel
 
     def __init__(self, B: int, n_vocab: int, temperature: float, device, pdl: bool = False, block: int | None = None,
-                 warps: int | None = None, top_p: float = 1.0):
+                 warps: int | None = None, top_p: float = 1.0, chunk: int | None = None):
         self.n_vocab, self.temperature, self.top_p, self.pdl = n_vocab, float(temperature), float(top_p), pdl
         self.block, self.warps = block or self.BLOCK, warps or self.WARPS  # ids per program, warps (the same samples)
+        self.CH = chunk or self.CH  # sort keys per program of the chunk masses, a power of 2 (the same samples)
         self.nblk = -(-n_vocab // self.block)
         self.val = torch.empty((B, self.nblk), dtype=torch.float64, device=device)
         self.idx = torch.empty((B, self.nblk), dtype=torch.int64, device=device)
