@@ -239,10 +239,11 @@ def test_decode_kernels_in_bf16_equal_their_references():
     kc, vc = torch.randn(B, K, L, D, **bf), torch.randn(B, K, L, D, **bf)
     start = torch.randint(0, 300, (B,), device="cuda")
     plan = dk.AttentionPlan(B, H, K, D, L, "cuda")
-    for end in (301, 778, 1000, L):
+    zero = torch.zeros_like(start)  # short contexts too: the splits share the visible slots of each step
+    for start_B, end in ((start, 301), (start, 778), (start, 1000), (start, L), (zero, 8), (zero, 40), (zero, 97)):
         kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-        want = dk.rope_attention_ref(qkv, cos, sin, pos, kc1, vc1, start, end, D ** -0.5, H, K)
-        got = dk.rope_attention(qkv, cos, sin, pos, kc2, vc2, start, torch.tensor([end - 7], device="cuda"),
+        want = dk.rope_attention_ref(qkv, cos, sin, pos, kc1, vc1, start_B, end, D ** -0.5, H, K)
+        got = dk.rope_attention(qkv, cos, sin, pos, kc2, vc2, start_B, torch.tensor([end - 7], device="cuda"),
                                 D ** -0.5, plan, H, K, end_offset=7)
         assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2) and not torch.equal(kc1, kc)  # the slot, as rounded
         assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
