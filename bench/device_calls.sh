@@ -48,6 +48,9 @@
 #                                at 1,024 and 7,168 new tokens, the kit before and this kit (digests, log-probs) (~7 min)
 #   r2: carry .lane .v1          the decoder's GPU tests; the static decoder at 1,024 / 7,168; S1 at 7,168 (3 steps) and
 #                                1,024 (4 steps) (~8 min)
+#   r3: carry .lane              timing only: the static decoder at 1,024 with the attention's merge and / or the add +
+#                                norm after the output projection left out (s1_speed.py static --ablate): what folding
+#                                those kernels into the ones before could gain at most (~3 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -207,6 +210,12 @@ print(f\"{r['block']},{r['warps']}\")")
     done
     s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 100 -S rollout.max_new_tokens=1024
+    ;;
+  r3)
+    for ab in "" merge o_norm merge,o_norm; do
+      lim 80 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
+        --ablate "$ab" >> "$OUT/parts.txt" 2>&1
+    done
     ;;
   h4)
     for T in 1024 3072; do

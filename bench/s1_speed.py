@@ -143,6 +143,42 @@ def _load_static(path: str):
     return mod
 
 
+def _ablate(names: list[str]) -> None:
+    """Timing only (``static --ablate``): leave out the attention's merge kernel ('merge') and / or the residual add
+    + RMSNorm after the attention's output projection ('o_norm'), their outputs replaced by a buffer of zeros made
+    once (finite, so the decoder runs on; its samples then mean nothing). The rate it gives bounds what folding
+    those kernels into the ones before them could gain: the same step with their work free and their launches
+    gone. Applies to every decoder of the run."""
+    from opdkit.engines import decode_kernels as dk
+
+    if set(names) - {"merge", "o_norm"}:
+        raise SystemExit(f"--ablate {','.join(names)}: expected names among merge,o_norm")
+    zeros = {}
+
+    def buf(shape, like):
+        key = (tuple(shape), like.dtype, like.device)
+        if key not in zeros:  # made at the first (eager) step, before any CUDA graph is captured
+            zeros[key] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return zeros[key]
+
+    if "merge" in names:
+        class NoLaunch:
+            def __getitem__(self, grid):
+                return lambda *a, **kw: None
+
+        dk._kernels()["attn_reduce"] = NoLaunch()
+        partials = dk.rope_attention
+
+        def rope_attention(qkv_B_X, cos_P_D, *a, **kw):
+            partials(qkv_B_X, cos_P_D, *a, **kw)  # the partials kernel only
+            H = kw["H"] if "H" in kw else a[8]
+            return buf((qkv_B_X.shape[0], H, cos_P_D.shape[1]), qkv_B_X)
+
+        dk.rope_attention = rope_attention
+    if "o_norm" in names:
+        dk.add_rms_norm = lambda h_B_H, r_B_H, weight_H, eps, pdl=False: (h_B_H, buf(h_B_H.shape, h_B_H))
+
+
 def static(args) -> None:
     """The static-cache decoder (``opdkit.engines.static``) at batch 8: kernels per eager decode step,
     replayed decode steps/s, and where a replayed step's device time goes; the same for main's
@@ -157,6 +193,8 @@ def static(args) -> None:
     from opdkit.models import load_tokenizer
 
     device = "cpu" if args.tiny else "cuda"
+    if args.ablate:
+        _ablate(args.ablate.split(","))
     if args.plan:  # the sampling kernels' launch settings (the same samples)
         from opdkit.engines import decode_kernels as dk
 
@@ -177,7 +215,7 @@ def static(args) -> None:
         impls = {"main": (_load_static(args.static_main), {}), **impls}
     for name, (mod, kw_dec) in impls.items():
         res = {"what": "static", "impl": name, "max_new_tokens": T, "batch": len(rows), "temperature": args.temperature,
-               "top_p": args.top_p, "plan": args.plan}
+               "top_p": args.top_p, "plan": args.plan, "ablate": args.ablate}
         try:
             dec = mod.StaticDecoder(model, n_vocab=len(tok), **kw_dec)
             kw = dict(temperature=args.temperature, top_p=args.top_p, eos_ids=[-1])  # no EOS: every row runs to the cap
@@ -847,6 +885,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=2, help="static: prompts (rows: 4 samples of each)")
     ap.add_argument("--plan", default="", help="static: BLOCK,WARPS of this kit's GumbelPlan")
     ap.add_argument("--save-logp", default="", help="static: a folder for each decoder's recorded log-probs (.pt)")
+    ap.add_argument("--ablate", default="", help="static, timing only: kernels left out (merge,o_norm; _ablate)")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")
     ap.add_argument("--async-scheduling", type=int, default=None, help="vllm-raw: 0 / 1 (default: vLLM's choice)")
