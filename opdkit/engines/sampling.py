@@ -52,9 +52,10 @@ def top_p_filter(logits_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
         return logits_B_V
     sorted_B_V, order_B_V = torch.sort(logits_B_V, descending=True, stable=True, dim=-1)
     probs_B_V = sorted_B_V.softmax(dim=-1)
-    remove_B_V = (probs_B_V.cumsum(dim=-1) - probs_B_V) >= top_p  # mass before this entry already >= top_p
+    before_B_V = probs_B_V.cumsum(dim=-1).sub_(probs_B_V)  # (in place here: tensors of this function's own)
+    remove_B_V = before_B_V >= top_p  # mass before this entry already >= top_p
     remove_B_V[..., 0] = False
-    sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
+    sorted_B_V.masked_fill_(remove_B_V, float("-inf"))
     return torch.empty_like(logits_B_V).scatter_(-1, order_B_V, sorted_B_V)
 
 
@@ -99,6 +100,17 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def _mix64_(z: torch.Tensor) -> torch.Tensor:
+    """``_mix64`` in place (``z`` is overwritten and returned): the same bits without the (B, V) temporaries
+    of every step, which at V = 151,936 cost as much as the arithmetic."""
+    z ^= _shr(z, 30)
+    z *= _MIX1
+    z ^= _shr(z, 27)
+    z *= _MIX2
+    z ^= _shr(z, 31)
+    return z
+
+
 def uniform_noise(seeds_B: torch.Tensor, t, V: int) -> torch.Tensor:
     """(B, V) float64 uniforms strictly inside (0, 1) from ``(seed_b, t, v)`` by integer hashing.
 
@@ -108,8 +120,11 @@ def uniform_noise(seeds_B: torch.Tensor, t, V: int) -> torch.Tensor:
     """
     key_B = _mix64(seeds_B * _GOLDEN + t)  # one stream per (row, token index)
     v_V = torch.arange(V, device=seeds_B.device, dtype=torch.int64)
-    bits_B_V = _mix64(key_B[:, None] + v_V[None, :] * _GOLDEN)
-    return (_shr(bits_B_V, 64 - UNIFORM_BITS).double() + 0.5) * (2.0 ** -UNIFORM_BITS)
+    bits_B_V = _mix64_(key_B[:, None] + v_V[None, :] * _GOLDEN)
+    u_B_V = _shr(bits_B_V, 64 - UNIFORM_BITS).double()
+    u_B_V += 0.5
+    u_B_V *= 2.0 ** -UNIFORM_BITS
+    return u_B_V
 
 
 def mask_vocab(logits_B_V: torch.Tensor, n_vocab: int | None) -> torch.Tensor:
@@ -136,8 +151,8 @@ def policy_scores(raw_B_V: torch.Tensor, seeds_B: torch.Tensor, t, temperature: 
     logp_B_V = z32_B_V.masked_fill(z64_B_V == float("-inf"), float("-inf")).log_softmax(dim=-1)
     if temperature <= 0:
         return z64_B_V, logp_B_V
-    gumbel_B_V = -torch.log(-torch.log(uniform_noise(seeds_B, t, raw_B_V.shape[1])))
-    return z64_B_V + gumbel_B_V, logp_B_V
+    gumbel_B_V = uniform_noise(seeds_B, t, raw_B_V.shape[1]).log_().neg_().log_().neg_()  # -log(-log(u)), in place
+    return gumbel_B_V.add_(z64_B_V), logp_B_V  # z + gumbel
 
 
 class SeededSampler(LogitsProcessor):
