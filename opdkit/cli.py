@@ -61,18 +61,19 @@ def cmd_embedded(args) -> int:
 
     out = Path(args.out)
     if args.bpe_teacher:  # the cross-tokenizer teacher: built on demand, cached in OUT
+        cfg = _config(args)  # (bad params are refused before the builder's imports)
         from opdkit.embedded.bpe_teacher import build_bpe_teacher
 
-        made = build_bpe_teacher(out, _config(args).embedded, log=(lambda *a: None) if args.quiet else print)["made"]
+        made = build_bpe_teacher(out, cfg.embedded, log=(lambda *a: None) if args.quiet else print)["made"]
         print(f"the embedded BPE teacher is in {out} (built in {made['build_seconds']}s)")
         return 0
     if not args.rebuild:
         copy_shipped(out)
         print(f"wrote the shipped embedded task and models to {out} (data/, teacher/, student/, manifest.json)")
         return 0
+    cfg = _config(args)
     from opdkit.embedded.build import build_at, shipped_capability
 
-    cfg = _config(args)
     made = build_at(out, cfg.embedded, shipped_capability())  # the CPU kernels the shipped build ran
     write_manifest(out, to_dict(cfg.embedded), made)
     print(f"rebuilt the embedded task and models in {out} in {made['build_seconds']}s "
@@ -110,12 +111,12 @@ def _device_lock(cfg, shared: bool):
 
 
 def cmd_eval(args) -> int:
+    cfg = _config(args)  # bad params are refused before torch is imported
     from opdkit import paths
     from opdkit.data import load_eval_examples
     from opdkit.evaluate import evaluate, protocol_record, write_eval
     from opdkit.models import compute_dtype, load_model, load_tokenizer, pick_device, setup_torch
 
-    cfg = _config(args)
     setup_torch(cfg.runtime)
     data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
     examples = load_eval_examples(data_paths)
