@@ -83,8 +83,7 @@ from opdkit.config import Config, to_dict
 from opdkit.data import prompt_indices  # noqa: F401 (the data stream: opdkit.train.prompt_indices as before)
 from opdkit.engines.select import engine_name, make_engine
 from opdkit.persist import trainer_state
-from opdkit.persist.checkpoints import list_checkpoints
-from opdkit.persist.fsutil import OutputLock, atomic_write_json
+from opdkit.persist.fsutil import OutputLock, atomic_write_json, list_checkpoints
 from opdkit.persist.publish import Publisher
 from opdkit.persist.rundir import (
     METRICS_FILE,

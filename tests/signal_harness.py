@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from opdkit.persist.checkpoints import list_checkpoints
+from opdkit.persist.fsutil import list_checkpoints
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]

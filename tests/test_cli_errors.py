@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from opdkit.embedded import asset
-from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
+from opdkit.persist.checkpoints import is_valid_checkpoint
+from opdkit.persist.fsutil import list_checkpoints
 from procs import env
 
 REPO = Path(__file__).resolve().parents[1]

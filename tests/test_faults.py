@@ -31,9 +31,9 @@ from opdkit.persist.checkpoints import (
     InvalidCheckpoint,
     NonFiniteTensor,
     is_valid_checkpoint,
-    list_checkpoints,
     validate_checkpoint,
 )
+from opdkit.persist.fsutil import list_checkpoints
 from opdkit.persist.publish import export_checkpoint
 from procs import env
 from signal_harness import OpdkitRunner

@@ -34,11 +34,10 @@ from opdkit.persist import fsutil, publish
 from opdkit.persist.checkpoints import (
     InvalidCheckpoint,
     is_valid_checkpoint,
-    list_checkpoints,
     surviving_checkpoints_message,
     validate_checkpoint,
 )
-from opdkit.persist.fsutil import LockHeld, OutputLock, atomic_write_json, retry_io
+from opdkit.persist.fsutil import LockHeld, OutputLock, atomic_write_json, list_checkpoints, retry_io
 from opdkit.persist.publish import Publisher, PublishError, export_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

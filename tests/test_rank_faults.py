@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from opdkit.persist import trainer_state
-from opdkit.persist.checkpoints import list_checkpoints
+from opdkit.persist.fsutil import list_checkpoints
 from procs import env
 from signal_harness import REPO, alive, descendants, still_alive, wait_for, write_sitecustomize
 

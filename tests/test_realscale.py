@@ -17,7 +17,8 @@ import torch
 
 from opdkit.cli import main as opdkit_main
 from opdkit.fixture import CHAT_TEMPLATE
-from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
+from opdkit.persist.checkpoints import is_valid_checkpoint
+from opdkit.persist.fsutil import list_checkpoints
 from qwen2_fixture import fixture_dir
 
 REPO = Path(__file__).resolve().parents[1]

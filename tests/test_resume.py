@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 from opdkit import train as train_mod
 from opdkit.config import load_config
 from opdkit.persist import trainer_state
-from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
+from opdkit.persist.checkpoints import is_valid_checkpoint
+from opdkit.persist.fsutil import list_checkpoints
 from opdkit.setup import RunError
 from opdkit.train import train
 from procs import env

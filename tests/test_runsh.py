@@ -20,7 +20,8 @@ import pytest
 
 from opdkit.embedded import asset
 from opdkit.persist import trainer_state
-from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints
+from opdkit.persist.checkpoints import is_valid_checkpoint
+from opdkit.persist.fsutil import list_checkpoints
 from procs import env
 from qwen2_fixture import fixture_dir
 from test_recipes import OPSD_RELEASED, S1_BASELINE, S1_FORMAL, mismatches

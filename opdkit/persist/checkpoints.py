@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from opdkit.persist.fsutil import is_transient, list_checkpoints, step_of  # noqa: F401 (listing: re-exported)
+from opdkit.persist.fsutil import is_transient, list_checkpoints
 
 FORMAT = 1
 MANIFEST = "opdkit.json"

@@ -42,14 +42,20 @@ from opdkit.persist.checkpoints import (
     NonFiniteTensor,
     file_record,
     is_valid_checkpoint,
-    list_checkpoints,
     model_spec,
     nonfinite_names,
-    step_of,
     surviving_checkpoints_message,
     validate_checkpoint,
 )
-from opdkit.persist.fsutil import explain_storage_errors, fsync_dir, fsync_tree, pid_alive, retry_io
+from opdkit.persist.fsutil import (
+    explain_storage_errors,
+    fsync_dir,
+    fsync_tree,
+    list_checkpoints,
+    pid_alive,
+    retry_io,
+    step_of,
+)
 from opdkit.persist.weights_io import (
     shard_plan,
     write_index,

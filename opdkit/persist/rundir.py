@@ -21,8 +21,8 @@ from pathlib import Path
 from opdkit import distributed
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.persist import trainer_state
-from opdkit.persist.checkpoints import is_valid_checkpoint, list_checkpoints, surviving_checkpoints_message
-from opdkit.persist.fsutil import atomic_write_json, atomic_write_text
+from opdkit.persist.checkpoints import is_valid_checkpoint, surviving_checkpoints_message
+from opdkit.persist.fsutil import atomic_write_json, atomic_write_text, list_checkpoints
 from opdkit.schedules import should_stop
 from opdkit.setup import Inputs, RunError
 
