@@ -51,6 +51,10 @@
 #   r3: carry .lane              timing only: the static decoder at 1,024 with the attention's merge and / or the add +
 #                                norm after the output projection left out (s1_speed.py static --ablate): what folding
 #                                those kernels into the ones before could gain at most (~3 min)
+#   u1: carry .lane .speed .v0   S1 at 1,024 (4 steps) and 7,168 (3 steps), the kit before (.speed/head) and this kit
+#                                (runtime.unchecked_layers_memory: layers left unchecked where memory allows) (~9 min)
+#   u2: carry .lane .v1          the GPU test of the unchecked layers; S1 at 7,168 (3 steps) with a share of 0.7; r3's
+#                                timing-only ablation of the merge / the add + norm (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -214,6 +218,20 @@ print(f\"{r['block']},{r['warps']}\")")
   r3)
     for ab in "" merge o_norm merge,o_norm; do
       lim 80 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
+        --ablate "$ab" >> "$OUT/parts.txt" 2>&1
+    done
+    ;;
+  u1)
+    s1_1024_before_after 110
+    s1_run s1_7168_before 3 170 --kit .speed/head -S rollout.max_new_tokens=7168
+    s1_run s1_7168 3 170 -S rollout.max_new_tokens=7168
+    ;;
+  u2)
+    lim 90 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "unchecked or keeping" \
+      > "$OUT/tests.txt" 2>&1
+    s1_run s1_7168_share07 3 170 -S rollout.max_new_tokens=7168 -S runtime.unchecked_layers_memory=0.7
+    for ab in "" merge o_norm merge,o_norm; do
+      lim 70 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
         --ablate "$ab" >> "$OUT/parts.txt" 2>&1
     done
     ;;

@@ -66,12 +66,45 @@ def model_shape(path: str | Path, lora=None) -> ModelShape:
         model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                  target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
     text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     return ModelShape(params=sum(p.numel() for p in model.parameters()),
                       trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                      layers=text.num_hidden_layers, hidden=text.hidden_size, kv=kv_heads * head_dim,
+                      layers=text.num_hidden_layers, hidden=text.hidden_size, kv=kv_width(text),
                       intermediate=text.intermediate_size, rows=model.get_output_embeddings().weight.shape[0])
+
+
+def kv_width(text_config) -> int:
+    """Key-value heads x head size of a decoder's (text) config."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return (getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads) * head_dim
+
+
+def layer_activation_bytes(hidden: int, kv: int, intermediate: int, compute_bytes: int) -> int:
+    """Bytes autograd saves per token for one decoder layer run without checkpointing (see the module
+    docstring): ``hidden`` H, ``kv`` (key-value heads x head size), ``intermediate`` (the MLP's width I);
+    ``compute_bytes`` 4 (fp32) or 2 (bf16 autocast over fp32 weights: the norms stay fp32)."""
+    H, kv, Im = hidden, kv, intermediate
+    if compute_bytes == 4:
+        return 4 * (9 * H + 2 * kv + 4 * Im)
+    # autocast: the norms' inputs and outputs (4 H) in fp32; each projection's own cast of its input
+    return 4 * 4 * H + compute_bytes * (8 * H + 2 * kv + 4 * Im)  # (5 + 1) H inputs, attention 2 H + 2 kv, MLP 4 I
+
+
+def layers_without_checkpointing(budget_bytes: int, tokens: int, layer_bytes_per_token: int, n_layers: int) -> int:
+    """How many of ``n_layers`` decoder layers may run without gradient checkpointing (keeping their
+    activations for the backward instead of recomputing them) when their activations may take
+    ``budget_bytes``: each layer holds ``tokens`` x ``layer_bytes_per_token`` (``layer_activation_bytes``).
+    0 with no budget; at most ``n_layers``."""
+    per_layer = max(1, tokens * layer_bytes_per_token)
+    return max(0, min(n_layers, budget_bytes // per_layer))
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes a CUDA ``device`` can still allocate: free on the device plus what torch's caching allocator
+    holds unused; 0 elsewhere (no budget for un-checkpointed layers on a CPU)."""
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def activation_bytes_per_token(s: ModelShape, compute_bytes: int, checkpointing: bool,
@@ -79,11 +112,8 @@ def activation_bytes_per_token(s: ModelShape, compute_bytes: int, checkpointing:
     """Bytes autograd saves per token of a micro-batch for the whole decoder (see the module docstring);
     ``keep_attention`` (``runtime.checkpoint_keep_attention``): under checkpointing, each layer's attention output
     too (S1 at 7,168 on an H200: +4.6 GB for 57,344 tokens, this term 4.9)."""
-    H, kv, Im = s.hidden, s.kv, s.intermediate  # Im: the MLP's intermediate width (I in the module docstring)
-    if compute_bytes == 4:
-        layer = 4 * (9 * H + 2 * kv + 4 * Im)
-    else:  # autocast: the norms' inputs and outputs (4 H) in fp32; each projection's own cast of its input
-        layer = 4 * 4 * H + compute_bytes * (8 * H + 2 * kv + 4 * Im)  # (5 + 1) H inputs, attention 2 H + 2 kv, MLP 4 I
+    H = s.hidden
+    layer = layer_activation_bytes(s.hidden, s.kv, s.intermediate, compute_bytes)
     if checkpointing:  # each layer's fp32 input (and attention output), one layer's full set while it is recomputed
         return s.layers * (4 * H + (compute_bytes * H if keep_attention else 0)) + layer
     return s.layers * layer

@@ -210,3 +210,13 @@ def enable_checkpointing(model, keep_attention: bool) -> None:
 
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_attention_policy)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def checkpoint_all_but_last(layers, n_unchecked: int) -> None:
+    """Under gradient checkpointing (``enable_checkpointing``): the last ``n_unchecked`` of the decoder's
+    ``layers`` run without it (they keep their activations for the backward instead of recomputing them),
+    the others with it. The same values and gradients either way (the recompute runs the same kernels on
+    the same inputs): more memory for less compute. The last layers, because the backward reaches them
+    first and frees what they kept before the others' recomputes need memory."""
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i < len(layers) - n_unchecked

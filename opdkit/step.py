@@ -42,11 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
-from opdkit import distributed, guards, loss_table, losses, offline, opd, rewards, teachers
+from opdkit import distributed, guards, loss_table, losses, memory, offline, opd, rewards, teachers
 from opdkit.config import BudgetConfig, DataConfig, LossConfig, RolloutConfig, RuntimeConfig, TeacherConfig
 from opdkit.data import prompt_indices
 from opdkit.engines.base import left_pad
 from opdkit.engines.sampling import policy_logits
+from opdkit.models import checkpoint_all_but_last
 from opdkit.schedules import should_stop
 from opdkit.scores import TeacherScores
 from opdkit.scoring import completion_hidden, token_logprobs, topk_logprobs, unwrap
@@ -271,8 +272,10 @@ def loss_and_backward(loss: LossConfig, run: Run, world: distributed.World, batc
     Returns (metrics, tokens, sequences, truncated sequences), the counts summed over ranks."""
     ro = batch.rollout
     n_tok, n_seq, n_trunc = world.sum(ro.n_tokens, ro.completion_ids_B_T.shape[0], int(ro.truncated_B.sum()))
+    unchecked = runtime.unchecked_layers_memory if runtime.grad_checkpointing and world.size == 1 else 0.0
     m = micro_losses(loss, run.student, batch, contexts, run.autocast, n_tokens=n_tok / world.size, rollout=rollout,
-                     runtime=runtime, micro_batch=micro_batch, teacher_names=teacher_names, vocab_map=vocab_map)
+                     runtime=runtime, micro_batch=micro_batch, teacher_names=teacher_names, vocab_map=vocab_map,
+                     unchecked_memory=unchecked)
     m.update(opd.pad_offsets(batch))  # data.pad_side=right: the measured offsets (the released defect's size)
     m = distributed.reduce_metrics(m, world)
     m = rewards.finish_metrics(reward, teachers.finish_metrics(m, teacher_names))
@@ -281,7 +284,8 @@ def loss_and_backward(loss: LossConfig, run: Run, world: distributed.World, batc
 
 def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, autocast,
                  n_tokens: float | None = None, *, rollout: RolloutConfig, runtime: RuntimeConfig, micro_batch: int,
-                 teacher_names: tuple[str, ...] = (), vocab_map: str = TeacherConfig.vocab_map) -> dict:
+                 teacher_names: tuple[str, ...] = (), vocab_map: str = TeacherConfig.vocab_map,
+                 unchecked_memory: float = 0.0) -> dict:
     """Forward + backward of the whole step in micro-batches (``micro_slices(batch, micro_batch)``)
     through loss ``loss`` (``chunk_loss``); returns combined metrics.
 
@@ -304,8 +308,10 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
     The settings: ``rollout`` (the student policy the loss differentiates: ``loss_table.update_policy``),
     ``runtime`` (``logprob_chunk``: positions per chunk; ``unpadded_rows``), ``micro_batch``
     (``optim.micro_batch``), ``teacher_names`` (the names of ``teachers``, in order, whose rows
-    ``Batch.teacher_B`` numbers; () with one teacher) and ``vocab_map`` (``teacher.vocab_map``, read
-    with ``teacher.tokenizer=own`` and a full-distribution loss).
+    ``Batch.teacher_B`` numbers; () with one teacher), ``vocab_map`` (``teacher.vocab_map``, read
+    with ``teacher.tokenizer=own`` and a full-distribution loss) and ``unchecked_memory``
+    (``runtime.unchecked_layers_memory`` for a checkpointed student: ``uncheck_layers``; 0: leave its
+    layers as they are).
     """
     ro = batch.rollout
     n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
@@ -316,8 +322,11 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
     slices = micro_slices(batch, micro_batch)
     check_same_on_ranks(student, len(slices), "micro-batches")
     for rows, t_ctx in zip(slices, contexts):
+        g = opd.student_geometry(batch, rows)
         with autocast(), gather_once(student):
-            h_B_T_H = completion_hidden(student, opd.student_geometry(batch, rows), runtime.unpadded_rows)
+            if unchecked_memory > 0:
+                uncheck_layers(student, g, unchecked_memory, runtime.unpadded_rows)
+            h_B_T_H = completion_hidden(student, g, runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
         if t_ctx is not None and t_ctx.cross_tokenizer:  # teacher.tokenizer=own: t~ of merged spans' tokens
             from opdkit import xtok_loss  # (a no-grad pass of the head, the root still gathered: no collective)
@@ -339,6 +348,23 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
     out = combine(parts)
     out["loss"] = total
     return out
+
+
+def uncheck_layers(student, g, share: float, unpadded: bool) -> int:
+    """Before a checkpointed ``student``'s forward over geometry ``g``: its last layers run without
+    checkpointing, as many as ``share`` of the GPU's free memory holds at this micro-batch's tokens
+    (``g``'s real tokens when ``unpadded`` rows run pads removed, else every position), the others
+    checkpointed (``models.checkpoint_all_but_last``). Same gradients. Returns the unchecked count."""
+    decoder, _ = unwrap(student)
+    param = next(decoder.parameters())
+    compute_bytes = 2 if torch.is_autocast_enabled(param.device.type) else param.element_size()
+    per_token = memory.layer_activation_bytes(decoder.config.hidden_size, memory.kv_width(decoder.config),
+                                              decoder.config.intermediate_size, compute_bytes)
+    tokens = int(g.attention_mask_B_S.sum()) if unpadded else g.input_ids_B_S.numel()
+    n = memory.layers_without_checkpointing(int(share * memory.free_device_bytes(param.device)), tokens, per_token,
+                                            len(decoder.layers))
+    checkpoint_all_but_last(decoder.layers, n)
+    return n
 
 
 def chunk_loss(L: LossConfig, h_s_B_C_H, s_head, t_ctx, sl, batch: opd.Batch, rows: slice, n_tokens: float, *,

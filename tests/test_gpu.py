@@ -202,6 +202,51 @@ def test_keeping_the_attention_outputs_saves_the_varlen_flash_attention(tok):
         assert torch.allclose(full[n], kept[n], rtol=1e-2, atol=1e-5), n
 
 
+def test_unchecked_layers_on_cuda_keep_what_the_estimate_says_and_the_same_gradients(tok):
+    """runtime.unchecked_layers_memory on CUDA, bf16 autocast over fp32 weights, packed rows (varlen flash attention):
+    step.uncheck_layers leaves layers unchecked from the free memory; each adds the memory that
+    memory.layer_activation_bytes estimates (its input aside, within 25%: allocator rounding), and the gradients
+    equal checkpointing every layer's within flash attention's run-to-run variation (its backward sums with atomics)."""
+    from opdkit import memory, models, packing, step
+    from opdkit.engines.base import left_pad
+    from opdkit.scoring import build_geometry
+
+    torch.manual_seed(0)
+    model = _small(len(tok), "qwen2", layers=4, seed=0).train()
+    models.enable_checkpointing(model, keep_attention=True)
+    layers = model.model.layers
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
+    pid, pmask = left_pad(prompts, tok.pad_token_id, "cuda")
+    T = 2000
+    geo = build_geometry(pid, pmask, torch.randint(5, 30, (2, T), device="cuda"), torch.ones(2, T, device="cuda"))
+    tokens = int(geo.attention_mask_B_S.sum())
+    c = model.config
+    per_layer = tokens * (memory.layer_activation_bytes(c.hidden_size, memory.kv_width(c), c.intermediate_size, 2)
+                          - 4 * c.hidden_size)
+
+    def run(n):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if n is None:
+                n = step.uncheck_layers(model, geo, 0.5, True)
+            else:
+                models.checkpoint_all_but_last(layers, n)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            h = packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S, geo.prompt_width, T)
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated() - base
+        (h.float() * torch.linspace(-1, 1, h.shape[-1], device="cuda")).sum().backward()
+        return n, held, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    n0, held0, g0 = run(0)
+    n, held, g = run(None)
+    assert n == len(layers)  # a small model: the whole decoder fits half the free memory
+    assert 0.75 < n * per_layer / (held - held0) < 1.25, (n * per_layer, held - held0)
+    for k in g0:
+        assert torch.allclose(g0[k], g[k], rtol=1e-2, atol=1e-5), k
+
+
 def test_chunked_logprobs_bound_the_memory():
     """B x T x V fp32 never exists at once: peak extra memory follows the chunk, not T."""
     from opdkit.scoring import token_logprobs

@@ -93,3 +93,65 @@ def test_keeping_the_attention_outputs_adds_what_an_h200_measured():
     extra = 58_500 * (activation_bytes_per_token(s1, 2, True, True) - activation_bytes_per_token(s1, 2, True))
     assert abs(extra / 1e9 - 4.6) < 0.6
     assert activation_bytes_per_token(s1, 2, False, True) == activation_bytes_per_token(s1, 2, False)
+
+
+def test_layers_without_checkpointing_fit_the_budget():
+    """As many whole layers as the budget holds at tokens x bytes per token each, none without a budget, at most
+    every layer."""
+    from opdkit.memory import layers_without_checkpointing
+
+    per_layer = 1000 * 120
+    assert layers_without_checkpointing(5 * per_layer, 1000, 120, 28) == 5
+    assert layers_without_checkpointing(5 * per_layer - 1, 1000, 120, 28) == 4
+    assert layers_without_checkpointing(10**15, 1000, 120, 28) == 28
+    assert layers_without_checkpointing(0, 1000, 120, 28) == 0
+    assert layers_without_checkpointing(-5, 1000, 120, 28) == 0
+
+
+def test_unchecked_layers_keep_what_the_estimate_says_a_layer_saves(students):
+    """models.checkpoint_all_but_last under gradient checkpointing: each layer it leaves unchecked adds the
+    activations memory.layer_activation_bytes estimates (within 10%, against what autograd saves; its input, which a
+    checkpointed layer keeps too, aside), and a checkpointed layer little."""
+    from opdkit.memory import layer_activation_bytes
+    from opdkit.models import checkpoint_all_but_last, enable_checkpointing
+
+    torch.manual_seed(0)
+    model = load_model(students["fixture"], torch.device("cpu"), trainable=True).train()
+    enable_checkpointing(model, keep_attention=False)
+    layers = unwrap(model)[0].layers
+    s = model_shape(students["fixture"])
+    B, S = 2, 96
+    ids_B_S = torch.randint(0, 30, (B, S))
+    checkpoint_all_but_last(layers, 0)
+    base = saved_activation_bytes(model, ids_B_S)
+    assert base < 0.2 * B * S * layer_activation_bytes(s.hidden, s.kv, s.intermediate, 4) * len(layers)
+    for n in sorted({1, len(layers)}):
+        checkpoint_all_but_last(layers, n)
+        assert [lay.gradient_checkpointing for lay in layers] == [i < len(layers) - n for i in range(len(layers))]
+        extra = saved_activation_bytes(model, ids_B_S) - base
+        est = n * B * S * (layer_activation_bytes(s.hidden, s.kv, s.intermediate, 4) - 4 * s.hidden)  # (the
+        assert 0.9 < est / extra < 1.1, (n, est, extra)  # input: kept by a checkpointed layer too)
+
+
+def test_uncheck_layers_leaves_unchecked_as_many_layers_as_the_free_memory_share_holds(students, monkeypatch):
+    """step.uncheck_layers: the share of the free device memory over the micro-batch's tokens (real tokens with
+    unpadded rows, every position otherwise) x a layer's bytes per token; nothing without free memory (a CPU)."""
+    from opdkit import memory, step
+    from opdkit.models import enable_checkpointing
+    from opdkit.scoring import build_geometry
+
+    model = load_model(students["fixture"], torch.device("cpu"), trainable=True).train()
+    enable_checkpointing(model, keep_attention=False)
+    layers = unwrap(model)[0].layers
+    s = model_shape(students["fixture"])
+    g = build_geometry(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                       torch.randint(5, 30, (2, 4)), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
+    real, every = int(g.attention_mask_B_S.sum()), g.input_ids_B_S.numel()
+    assert real < every
+    per_layer = memory.layer_activation_bytes(s.hidden, s.kv, s.intermediate, 4)
+    assert step.uncheck_layers(model, g, 0.5, True) == 0  # the CPU: no free device memory counted
+    assert all(lay.gradient_checkpointing for lay in layers)
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: 2 * 2 * real * per_layer)  # 0.5 of it: 2 layers
+    assert step.uncheck_layers(model, g, 0.5, True) == 2
+    assert [lay.gradient_checkpointing for lay in layers][-2:] == [False, False]
+    assert step.uncheck_layers(model, g, 0.5, False) == 2 * real // every

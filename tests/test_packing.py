@@ -105,3 +105,44 @@ def test_keeping_the_attention_outputs_under_checkpointing_gives_the_same_gradie
     assert full.keys() == kept.keys() and len(full) > 10
     for n in full:
         assert torch.equal(full[n], kept[n]), n
+
+
+def test_layers_left_unchecked_give_the_same_gradients_and_are_not_recomputed(tok, monkeypatch):
+    """runtime.unchecked_layers_memory (models.checkpoint_all_but_last): the last layers run without checkpointing
+    (their MLP runs once, not again in the backward), the gradients bit for bit those of checkpointing every layer,
+    with and without the attention outputs kept."""
+    from opdkit import models
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id))
+    model.train()
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
+    pid, pmask = left_pad(prompts, tok.pad_token_id)
+    geo = build_geometry(pid, pmask, torch.randint(5, 30, (2, 7)), torch.ones(2, 7))
+    calls = [0, 0, 0]
+    mlps = [layer.mlp for layer in model.model.layers]
+    mlp_forward = type(mlps[0]).forward
+
+    def counted(self, x):  # (module hooks do not fire in a checkpoint's recompute; the forward itself runs)
+        calls[mlps.index(self)] += 1
+        return mlp_forward(self, x)
+
+    monkeypatch.setattr(type(mlps[0]), "forward", counted)
+    for keep_attention in (False, True):
+        grads = []
+        for n in (0, 1, 3):
+            calls[:] = [0, 0, 0]
+            model.gradient_checkpointing_disable()
+            models.enable_checkpointing(model, keep_attention)
+            models.checkpoint_all_but_last(model.model.layers, n)
+            model.zero_grad()
+            h = packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S, geo.prompt_width, 7)
+            (h * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+            assert calls == [1 if i >= 3 - n else 2 for i in range(3)], (n, calls)  # a recompute: a second call
+        assert len(grads[0]) > 10
+        for other in grads[1:]:
+            assert other.keys() == grads[0].keys()
+            for k in grads[0]:
+                assert torch.equal(grads[0][k], other[k]), k
