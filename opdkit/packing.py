@@ -78,12 +78,12 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     outs = []  # each row's causal attention in turn (CPU, float32, or a torch without varlen attention)
     bounds = cu_seq_lens_q.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
-        q_H_n_D = q_N_H_D[a:b].transpose(0, 1)
-        k_H_n_D = k_N_K_D[a:b].transpose(0, 1).repeat_interleave(H // K, dim=0)
-        v_H_n_D = v_N_K_D[a:b].transpose(0, 1).repeat_interleave(H // K, dim=0)
-        o_H_n_D = torch.nn.functional.scaled_dot_product_attention(q_H_n_D, k_H_n_D, v_H_n_D, is_causal=True,
-                                                                   scale=scaling)
-        outs.append(o_H_n_D.transpose(0, 1))
+        q_1_H_n_D = q_N_H_D[a:b].transpose(0, 1)[None]  # 4-D: sdpa's fused kernels take no 3-D inputs (math then)
+        k_1_H_n_D = k_N_K_D[a:b].transpose(0, 1).repeat_interleave(H // K, dim=0)[None]
+        v_1_H_n_D = v_N_K_D[a:b].transpose(0, 1).repeat_interleave(H // K, dim=0)[None]
+        o_1_H_n_D = torch.nn.functional.scaled_dot_product_attention(q_1_H_n_D, k_1_H_n_D, v_1_H_n_D, is_causal=True,
+                                                                     scale=scaling)
+        outs.append(o_1_H_n_D[0].transpose(0, 1))
     return torch.cat(outs)[None], None
 
 
