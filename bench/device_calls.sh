@@ -55,6 +55,8 @@
 #                                (runtime.unchecked_layers_memory: layers left unchecked where memory allows) (~9 min)
 #   u2: carry .lane .v1          the GPU test of the unchecked layers; S1 at 7,168 (3 steps) with a share of 0.7; r3's
 #                                timing-only ablation of the merge / the add + norm (~6 min)
+#   u3: carry .lane              the GPU test of the unchecked layers; S1 at 7,168 (3 steps, twice) and 1,024 (4 steps) by
+#                                default (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -234,6 +236,13 @@ print(f\"{r['block']},{r['warps']}\")")
       lim 70 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new \
         --ablate "$ab" >> "$OUT/parts.txt" 2>&1
     done
+    ;;
+  u3)
+    lim 90 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "unchecked or keeping" \
+      > "$OUT/tests.txt" 2>&1
+    s1_run s1_7168 3 170 -S rollout.max_new_tokens=7168
+    s1_run s1_7168_again 3 170 -S rollout.max_new_tokens=7168
+    s1_run s1_1024 4 110 -S rollout.max_new_tokens=1024
     ;;
   h4)
     for T in 1024 3072; do

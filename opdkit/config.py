@@ -310,12 +310,13 @@ class RuntimeConfig:
     # Under grad_checkpointing: keep each layer's attention output (flash attention's result and log-sum-exp) from
     # the forward instead of recomputing it in the backward (models.enable_checkpointing); the same gradients
     checkpoint_keep_attention: bool = True
-    # Under grad_checkpointing on a GPU: the share of the memory free when the update's forward starts that decoder
-    # layers may fill with their activations instead of being checkpointed: the last layers run unchecked, as many
-    # as fit (memory.layers_without_checkpointing: tokens x memory.layer_activation_bytes each), so a short step
-    # recomputes nothing and a long one only what memory requires. The same gradients; 0 = every layer
+    # Under grad_checkpointing on a GPU: the share of the memory that a fully checkpointed update would leave free
+    # (free when the update's forward starts, less its gradients, checkpointed activations and logits chunk:
+    # memory.checkpointed_update_bytes) that decoder layers may fill with their activations instead of being
+    # checkpointed: the last layers run unchecked, as many as fit (tokens x memory.layer_activation_bytes each), so
+    # a short step recomputes nothing and a long one only what memory requires. The same gradients; 0 = every layer
     # checkpointed. One process only (a sharded student checkpoints every layer).
-    unchecked_layers_memory: float = 0.5
+    unchecked_layers_memory: float = 0.9
     logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab
     # Score and train each sequence on its own, trimmed of its pads: attention then runs causal with
     # no mask (flash kernels) instead of a masked kernel over the padded S x S square. For long
@@ -348,9 +349,9 @@ class RuntimeConfig:
         if self.alignment_every < 0:
             raise ConfigError(f"params key 'runtime.alignment_every': expected >= 0 (0 = the first batch of each "
                               f"start only), got {self.alignment_every}")
-        if not 0.0 <= self.unchecked_layers_memory < 1.0:
-            raise ConfigError("params key 'runtime.unchecked_layers_memory': expected a share in [0, 1) of the GPU "
-                              f"memory free at the update (0 = every layer checkpointed), got "
+        if not 0.0 <= self.unchecked_layers_memory <= 1.0:
+            raise ConfigError("params key 'runtime.unchecked_layers_memory': expected a share in [0, 1] of the GPU "
+                              f"memory a checkpointed update leaves free (0 = every layer checkpointed), got "
                               f"{self.unchecked_layers_memory}")
         if not 0.0 <= self.alignment_max_weight0_share <= 1.0:
             raise ConfigError("params key 'runtime.alignment_max_weight0_share': expected a share in [0, 1], got "

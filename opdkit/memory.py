@@ -98,6 +98,26 @@ def layers_without_checkpointing(budget_bytes: int, tokens: int, layer_bytes_per
     return max(0, min(n_layers, budget_bytes // per_layer))
 
 
+def shape_of(model) -> ModelShape:
+    """``model_shape`` of a loaded (causal LM) model, peft-wrapped or not."""
+    text = model.config.get_text_config()
+    params = list(model.parameters())
+    return ModelShape(params=sum(p.numel() for p in params),
+                      trainable=sum(p.numel() for p in params if p.requires_grad),
+                      layers=text.num_hidden_layers, hidden=text.hidden_size, kv=kv_width(text),
+                      intermediate=text.intermediate_size, rows=model.get_output_embeddings().weight.shape[0])
+
+
+def checkpointed_update_bytes(s: ModelShape, tokens: int, chunk_rows: int, chunk: int, compute_bytes: int,
+                              keep_attention: bool) -> int:
+    """What an update with every layer checkpointed allocates beyond what is held (``estimate``'s update
+    phase): the fp32 gradients of the trainable parameters, the activations of ``tokens`` under checkpointing
+    (``activation_bytes_per_token``; ``keep_attention``: runtime.checkpoint_keep_attention) and one logits chunk
+    (``chunk_rows`` x ``chunk`` positions x the vocabulary: logits, log-softmax and their gradient, fp32)."""
+    return (4 * s.trainable + tokens * activation_bytes_per_token(s, compute_bytes, True, keep_attention)
+            + 3 * 4 * chunk_rows * chunk * s.rows)
+
+
 def free_device_bytes(device: torch.device) -> int:
     """Bytes a CUDA ``device`` can still allocate: free on the device plus what torch's caching allocator
     holds unused; 0 elsewhere (no budget for un-checkpointed layers on a CPU)."""

@@ -325,7 +325,8 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
         g = opd.student_geometry(batch, rows)
         with autocast(), gather_once(student):
             if unchecked_memory > 0:
-                uncheck_layers(student, g, unchecked_memory, runtime.unpadded_rows)
+                uncheck_layers(student, g, unchecked_memory, runtime.unpadded_rows,
+                               keep_attention=runtime.checkpoint_keep_attention, chunk=chunk)
             h_B_T_H = completion_hidden(student, g, runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
         if t_ctx is not None and t_ctx.cross_tokenizer:  # teacher.tokenizer=own: t~ of merged spans' tokens
@@ -350,19 +351,23 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
     return out
 
 
-def uncheck_layers(student, g, share: float, unpadded: bool) -> int:
+def uncheck_layers(student, g, share: float, unpadded: bool, *, keep_attention: bool, chunk: int) -> int:
     """Before a checkpointed ``student``'s forward over geometry ``g``: its last layers run without
-    checkpointing, as many as ``share`` of the GPU's free memory holds at this micro-batch's tokens
-    (``g``'s real tokens when ``unpadded`` rows run pads removed, else every position), the others
-    checkpointed (``models.checkpoint_all_but_last``). Same gradients. Returns the unchecked count."""
+    checkpointing, as many as ``share`` of the GPU memory that the update would leave free with every
+    layer checkpointed holds (free now, less ``memory.checkpointed_update_bytes``: gradients, checkpointed
+    activations with ``keep_attention``, one logits chunk of ``chunk`` positions), at this micro-batch's
+    tokens (``g``'s real tokens when ``unpadded`` rows run pads removed, else every position); the others
+    checkpointed (``models.checkpoint_all_but_last``). The same gradients. Returns the unchecked count."""
     decoder, _ = unwrap(student)
     param = next(decoder.parameters())
     compute_bytes = 2 if torch.is_autocast_enabled(param.device.type) else param.element_size()
-    per_token = memory.layer_activation_bytes(decoder.config.hidden_size, memory.kv_width(decoder.config),
-                                              decoder.config.intermediate_size, compute_bytes)
+    s = memory.shape_of(student)
     tokens = int(g.attention_mask_B_S.sum()) if unpadded else g.input_ids_B_S.numel()
-    n = memory.layers_without_checkpointing(int(share * memory.free_device_bytes(param.device)), tokens, per_token,
-                                            len(decoder.layers))
+    reserve = memory.checkpointed_update_bytes(s, tokens, g.input_ids_B_S.shape[0], min(chunk, g.completion_len),
+                                               compute_bytes, keep_attention)
+    budget = int(share * max(0, memory.free_device_bytes(param.device) - reserve))
+    n = memory.layers_without_checkpointing(budget, tokens, memory.layer_activation_bytes(
+        s.hidden, s.kv, s.intermediate, compute_bytes), len(decoder.layers))
     checkpoint_all_but_last(decoder.layers, n)
     return n
 

@@ -205,8 +205,9 @@ def test_keeping_the_attention_outputs_saves_the_varlen_flash_attention(tok):
 def test_unchecked_layers_on_cuda_keep_what_the_estimate_says_and_the_same_gradients(tok):
     """runtime.unchecked_layers_memory on CUDA, bf16 autocast over fp32 weights, packed rows (varlen flash attention):
     step.uncheck_layers leaves layers unchecked from the free memory; each adds the memory that
-    memory.layer_activation_bytes estimates (its input aside, within 25%: allocator rounding), and the gradients
-    equal checkpointing every layer's within flash attention's run-to-run variation (its backward sums with atomics)."""
+    memory.layer_activation_bytes estimates (its input aside, within 25%: allocator rounding; measured on an H200),
+    and the gradients equal checkpointing every layer's within flash attention's run-to-run variation (its backward
+    sums with atomics; 1% of each gradient's norm)."""
     from opdkit import memory, models, packing, step
     from opdkit.engines.base import left_pad
     from opdkit.scoring import build_geometry
@@ -228,7 +229,7 @@ def test_unchecked_layers_on_cuda_keep_what_the_estimate_says_and_the_same_gradi
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if n is None:
-                n = step.uncheck_layers(model, geo, 0.5, True)
+                n = step.uncheck_layers(model, geo, 0.9, True, keep_attention=True, chunk=2048)
             else:
                 models.checkpoint_all_but_last(layers, n)
             torch.cuda.synchronize()
@@ -241,10 +242,10 @@ def test_unchecked_layers_on_cuda_keep_what_the_estimate_says_and_the_same_gradi
 
     n0, held0, g0 = run(0)
     n, held, g = run(None)
-    assert n == len(layers)  # a small model: the whole decoder fits half the free memory
+    assert n == len(layers)  # a small model: the whole decoder fits the spare memory
     assert 0.75 < n * per_layer / (held - held0) < 1.25, (n * per_layer, held - held0)
-    for k in g0:
-        assert torch.allclose(g0[k], g[k], rtol=1e-2, atol=1e-5), k
+    for k in g0:  # (relative to the gradient's norm: flash attention's atomics move entries near 0 the most)
+        assert float((g0[k] - g[k]).norm()) <= 1e-2 * float(g0[k].norm()), k
 
 
 def test_chunked_logprobs_bound_the_memory():

@@ -133,9 +133,10 @@ def test_unchecked_layers_keep_what_the_estimate_says_a_layer_saves(students):
         assert 0.9 < est / extra < 1.1, (n, est, extra)  # input: kept by a checkpointed layer too)
 
 
-def test_uncheck_layers_leaves_unchecked_as_many_layers_as_the_free_memory_share_holds(students, monkeypatch):
-    """step.uncheck_layers: the share of the free device memory over the micro-batch's tokens (real tokens with
-    unpadded rows, every position otherwise) x a layer's bytes per token; nothing without free memory (a CPU)."""
+def test_uncheck_layers_leaves_unchecked_as_many_layers_as_the_spare_memory_holds(students, monkeypatch):
+    """step.uncheck_layers: the share of the device memory a checkpointed update leaves free (free less
+    memory.checkpointed_update_bytes), over the micro-batch's tokens (real tokens with unpadded rows, every position
+    otherwise) x a layer's bytes per token; nothing without free memory (a CPU) or spare memory."""
     from opdkit import memory, step
     from opdkit.models import enable_checkpointing
     from opdkit.scoring import build_geometry
@@ -144,14 +145,25 @@ def test_uncheck_layers_leaves_unchecked_as_many_layers_as_the_free_memory_share
     enable_checkpointing(model, keep_attention=False)
     layers = unwrap(model)[0].layers
     s = model_shape(students["fixture"])
+    assert memory.shape_of(model) == s
     g = build_geometry(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
                        torch.randint(5, 30, (2, 4)), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
     real, every = int(g.attention_mask_B_S.sum()), g.input_ids_B_S.numel()
     assert real < every
-    per_layer = memory.layer_activation_bytes(s.hidden, s.kv, s.intermediate, 4)
-    assert step.uncheck_layers(model, g, 0.5, True) == 0  # the CPU: no free device memory counted
+    per_token = memory.layer_activation_bytes(s.hidden, s.kv, s.intermediate, 4)
+    uncheck = lambda unpadded: step.uncheck_layers(model, g, 0.5, unpadded, keep_attention=True, chunk=3)  # noqa: E731
+    assert uncheck(True) == 0  # the CPU: no free device memory counted
     assert all(lay.gradient_checkpointing for lay in layers)
-    monkeypatch.setattr(memory, "free_device_bytes", lambda device: 2 * 2 * real * per_layer)  # 0.5 of it: 2 layers
-    assert step.uncheck_layers(model, g, 0.5, True) == 2
-    assert [lay.gradient_checkpointing for lay in layers][-2:] == [False, False]
-    assert step.uncheck_layers(model, g, 0.5, False) == 2 * real // every
+    reserve = 4 * s.trainable + real * memory.activation_bytes_per_token(s, 4, True, True) + 3 * 4 * 2 * 3 * s.rows
+    assert memory.checkpointed_update_bytes(s, real, 2, 3, 4, True) == reserve
+    assert len(layers) == 2
+    free = reserve + 2 * real * per_token  # half of the spare memory: 1 layer at the real tokens
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: free)
+    assert uncheck(True) == 1
+    assert [lay.gradient_checkpointing for lay in layers] == [True, False]
+    spare = free - memory.checkpointed_update_bytes(s, every, 2, 3, 4, True)
+    assert uncheck(False) == (spare // 2) // (every * per_token) == 0
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: free + 2 * 9 * real * per_token)
+    assert uncheck(True) == 2  # at most every layer
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: reserve - 1)
+    assert uncheck(True) == 0
