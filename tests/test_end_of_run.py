@@ -242,9 +242,12 @@ LONG = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "runtime.t
 def test_a_stop_signal_ends_a_long_rollout_at_its_next_token_and_saves_the_last_complete_step(tmp_path, long_student):
     out = tmp_path / "out"
     # 5,000 tokens: a rollout of well over twice the stop's seconds on a loaded 2-core machine (at 2,500 one took
-    # 14.8 s beside the other test worker, and the stop with its saves 12.4 s)
+    # 14.8 s beside the other test worker, and the stop with its saves 12.4 s). Two rows a step, not LONG's eight:
+    # the rollout is still 5,000 decode steps (19 s beside another test, 40 s with eight rows; the stop 1.8 s),
+    # while step 1's scoring and update, which the stop never meets, shrink fourfold (eight rows: 66 s of 120)
     args = [*LONG, f"student.path={long_student}", "budget.max_wall_time_s=0", "budget.max_steps=3",
-            "publish.every_steps=100", "rollout.max_new_tokens=5000"]
+            "publish.every_steps=100", "rollout.max_new_tokens=5000", "rollout.prompts_per_step=1",
+            "rollout.samples_per_prompt=2"]
     proc = subprocess.Popen(train_cmd(out, *args), cwd=tmp_path, env=env(PYTHONPATH=str(REPO)), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     metrics = out / "metrics" / "train.jsonl"
