@@ -57,6 +57,9 @@
 #                                timing-only ablation of the merge / the add + norm (~6 min)
 #   u3: carry .lane              the GPU test of the unchecked layers; S1 at 7,168 (3 steps, twice) and 1,024 (4 steps) by
 #                                default (~6 min)
+#   u4: carry .lane              the update's attention: varlen FlashAttention vs sdpa's cuDNN / flash row by row
+#                                (bench/update_attn_bench.py); S1 at 7,168 (3 steps) (~4 min; on 2026-12-04 it also ran
+#                                S1 through sdpa's cuDNN kernel row by row, a switch since taken out: slower)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -243,6 +246,10 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168 3 170 -S rollout.max_new_tokens=7168
     s1_run s1_7168_again 3 170 -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 110 -S rollout.max_new_tokens=1024
+    ;;
+  u4)
+    lim 100 python3 bench/update_attn_bench.py > "$OUT/update_attn.jsonl" 2>> "$OUT/parts.txt"
+    s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
     ;;
   h4)
     for T in 1024 3072; do

@@ -75,7 +75,13 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         out_N_H_D = fn(q_N_H_D.contiguous(), k_N_K_D.contiguous(), v_N_K_D.contiguous(), cu_seq_lens_q, cu_seq_lens_q,
                        int(max_length_q), int(max_length_q), **kw)
         return out_N_H_D[None], None
-    outs = []  # each row's causal attention in turn (CPU, float32, or a torch without varlen attention)
+    return _rows_sdpa(q_N_H_D, k_N_K_D, v_N_K_D, cu_seq_lens_q, scaling)  # (CPU, float32, no varlen attention)
+
+
+def _rows_sdpa(q_N_H_D, k_N_K_D, v_N_K_D, cu_seq_lens_q, scaling):
+    """Each row's causal sdpa in turn: q (N, H, D), k / v (N, K, D), rows at ``cu_seq_lens_q``. ((1, N, H, D), None)."""
+    H, K = q_N_H_D.shape[1], k_N_K_D.shape[1]
+    outs = []
     bounds = cu_seq_lens_q.tolist()
     for a, b in zip(bounds[:-1], bounds[1:]):
         q_1_H_n_D = q_N_H_D[a:b].transpose(0, 1)[None]  # 4-D: sdpa's fused kernels take no 3-D inputs (math then)
