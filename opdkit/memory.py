@@ -21,7 +21,10 @@ output, the MLP's gate, up and product: ``9 H + 2 kv + 4 I`` values (``kv``: key
 head size, ``I``: the MLP width) in fp32; under bf16 autocast the norms stay fp32 and each
 projection saves its own bf16 cast. With gradient checkpointing a layer keeps only its input
 (``H``) and one layer is recomputed at a time. Allocator overhead, fragmentation and kernel
-workspaces are not counted: this is an estimate, not a measurement.
+workspaces are not counted: this is an estimate, not a measurement. Under checkpointing this is
+what the update needs; on a GPU its last layers then also run unchecked in what memory is left
+(``runtime.unchecked_layers_memory``, ``step.uncheck_layers``), so a run's peak is higher where memory
+allows it.
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ def test_model_shape_counts_the_loaded_models_parameters(which, students):
     s = model_shape(students[which], lora)
     assert (s.params, s.trainable) == (sum(p.numel() for p in wrapped.parameters()),
                                        sum(p.numel() for p in wrapped.parameters() if p.requires_grad))
+    from opdkit.memory import shape_of
+
+    assert shape_of(wrapped) == s  # the loaded model's shape (step.uncheck_layers reads it), LoRA-wrapped too
 
 
 @pytest.mark.parametrize("which", ["embedded", "fixture"])
