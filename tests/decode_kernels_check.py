@@ -18,6 +18,47 @@ from opdkit.engines import decode_kernels as dk  # noqa: E402
 failures = []
 
 
+def _patch_the_language_once_a_launch() -> None:
+    """Triton's interpreter patches ``triton.language`` (its builtins wrapped for the interpreter, a few functions
+    replaced) when a kernel launch starts, and restores it when the launch ends; it patches again on every call of a
+    ``@triton.jit`` helper inside the kernel (``InterpretedFunction.__call__``), scanning the language modules with
+    ``inspect.getmembers`` each time: a third of this script's seconds. Inside a launch that second patch changes
+    nothing: the builtins it would wrap are wrapped already (what it finds no longer carries Triton's builtin mark),
+    and what it sets unconditionally are stateless functions equal to those the launch set, which the launch's
+    restore puts back anyway. So a helper that sees only the language modules its launch patched is called without
+    it. The kernels run the same Python, on the same patched language; a Triton whose interpreter lacks these
+    internals is left as it is."""
+    try:
+        from triton.runtime import interpreter as ti
+
+        real_patch, Scope, tl = ti._patch_lang, ti._LangPatchScope, ti.tl
+    except (ImportError, AttributeError):
+        return
+    launch = {"langs": None}  # the language modules the launch under way patched (None: no launch)
+
+    def langs_of(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    def patch_lang(fn):
+        if launch["langs"] is not None and langs_of(fn) <= launch["langs"]:
+            return Scope()  # a helper inside the launch: patched already, nothing to restore
+        scope = real_patch(fn)
+        if launch["langs"] is None:  # a launch: patched until its restore
+            launch["langs"], restore = langs_of(fn), scope.restore
+
+            def restore_and_end():
+                launch["langs"] = None
+                restore()
+
+            scope.restore = restore_and_end
+        return scope
+
+    ti._patch_lang = patch_lang
+
+
+_patch_the_language_once_a_launch()
+
+
 def check(name: str, ok: bool, detail: str = "") -> None:
     print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}")
     if not ok:
