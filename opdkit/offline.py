@@ -271,7 +271,7 @@ def read_pool(path: str | Path) -> Pool:
     import pyarrow.parquet as pq
 
     meta = read_meta(path)
-    cols = pq.read_table(path).to_pydict()
+    cols = pq.ParquetFile(path).read().to_pydict()  # (as data.read_table: not read_table's dataset layer)
     n, G = meta["n_prompts"], meta["samples_per_prompt"]
     if len(cols["prompt_index"]) != n * G:
         raise OfflineError(f"rollout.offline_file {path}: {len(cols['prompt_index'])} samples, its metadata says "
