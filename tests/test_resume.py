@@ -120,6 +120,26 @@ def test_rerunning_a_finished_run_returns_at_once_without_training(uninterrupted
     assert (out / "metrics" / "train.jsonl").read_text() == before
 
 
+def test_a_run_that_ended_on_its_wall_budget_has_nothing_to_do_on_a_rerun_with_that_budget(uninterrupted):
+    """The loop stops before a step expected to end past the wall budget, so the elapsed time a run saved can fall
+    short of it: a rerun then has nothing to do by what run.json recorded (completed on the wall clock at the
+    state's step) and the state's budget, not by the elapsed time alone (persist.rundir.ended_on_the_wall_clock).
+    A larger budget trains on; another end, step or no state does not count."""
+    from opdkit.persist.rundir import ended_on_the_wall_clock
+
+    out, _ = uninterrupted
+    state = trainer_state.peek(out)  # its config as saved (the round trip through the state file)
+    c, step = cfg("budget.max_steps=4", "publish.every_steps=2"), state["step"]
+    ended = {"status": "completed", "reason": "wall_clock", "step": step}
+    assert ended_on_the_wall_clock(ended, state, step, c)
+    assert not ended_on_the_wall_clock(ended, state, step, cfg("budget.max_steps=8", "publish.every_steps=2"))
+    assert not ended_on_the_wall_clock({**ended, "status": "stopped", "reason": "SIGTERM"}, state, step, c)
+    assert not ended_on_the_wall_clock({**ended, "reason": "step_horizon"}, state, step, c)
+    assert not ended_on_the_wall_clock({**ended, "step": step - 1}, state, step, c)
+    assert not ended_on_the_wall_clock({}, state, step, c)
+    assert not ended_on_the_wall_clock(ended, None, step, c)
+
+
 def test_resuming_with_other_params_or_into_foreign_checkpoints_is_refused_untouched(tmp_path, uninterrupted):
     out, _ = uninterrupted
     before = snapshot(out)

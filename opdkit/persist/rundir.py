@@ -90,10 +90,25 @@ def newest_checkpoint(out: Path) -> tuple[int, dict] | None:
 
 def run_id(out: Path) -> str | None:
     """The ``run_id`` run.json holds (None: no run.json, or one without it)."""
+    return _run_json(out).get("run_id")
+
+
+def _run_json(out: Path) -> dict:
+    """run.json of ``out`` ({}: none, or not a JSON object)."""
     try:
-        return json.loads((out / RUN_FILE).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+        got = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def ended_on_the_wall_clock(run_json: dict, state: dict | None, step: int, cfg: Config) -> bool:
+    """run.json (``run_json``, read before this start) says the run completed at ``step`` on its wall budget,
+    and the trainer state it resumes (``state``) ran under the same budget as ``cfg``: a rerun has nothing to do.
+    (The loop stops when the next step is expected to end past the budget, so the elapsed time it saved can be
+    short of the budget, and a rerun asking ``should_stop`` without the last step's length would train on.)"""
+    return (state is not None and run_json.get("status") == "completed" and run_json.get("reason") == "wall_clock"
+            and run_json.get("step") == step and state.get("config", {}).get("budget") == to_dict(cfg)["budget"])
 
 
 def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
@@ -191,7 +206,8 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
     newest = newest_checkpoint(out) if world.is_main else None
     spent = max(state["elapsed_s"] if state else 0.0, lost_elapsed,
                 (newest[1].get("elapsed_s") or 0.0) if newest else 0.0)
-    rid = (run_id(out) or (state or {}).get("run_id") or uuid.uuid4().hex) if world.is_main else None
+    previous = _run_json(out) if world.is_main else {}  # before this start rewrites it
+    rid = (previous.get("run_id") or (state or {}).get("run_id") or uuid.uuid4().hex) if world.is_main else None
     elapsed0, ahead, rid = world.from_main((spent, newest[0] if newest and newest[0] > step else None, rid))
     if world.is_main:
         atomic_write_text(out / "config.yaml", dump_yaml(cfg))
@@ -208,6 +224,8 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
                 + (f" ({lost_elapsed - state['elapsed_s']:.1f}s of it on steps after the saved state)"
                    if lost_elapsed > state["elapsed_s"] else ""))
         reason = should_stop(step, elapsed0 + time.monotonic() - t_start, 0.0, budget=cfg.budget)
+        if reason is None and ended_on_the_wall_clock(previous, state, step, cfg):
+            reason = "wall_clock"
         reason, done = world.from_main((reason, bool(reason) and state is not None
                                         and (ahead is not None or is_published(out, step))))
         if done:
