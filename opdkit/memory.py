@@ -68,11 +68,7 @@ def model_shape(path: str | Path, lora=None) -> ModelShape:
 
         model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                  target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
-    text = config.get_text_config()
-    return ModelShape(params=sum(p.numel() for p in model.parameters()),
-                      trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                      layers=text.num_hidden_layers, hidden=text.hidden_size, kv=kv_width(text),
-                      intermediate=text.intermediate_size, rows=model.get_output_embeddings().weight.shape[0])
+    return shape_of(model)
 
 
 def kv_width(text_config) -> int:

@@ -88,16 +88,22 @@ def _packed_grads(model, geo, keep_attention: bool, seen: list) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_keeping_the_attention_outputs_under_checkpointing_gives_the_same_gradients(tok):
-    """runtime.checkpoint_keep_attention: each layer's attention output is saved by the forward and not recomputed
-    (torch's selective activation checkpointing), the gradients bit for bit those of full recomputation."""
+def _two_rows(tok, layers: int):
+    """A small random Qwen2 in training mode (seed 0) and the geometry of two prompts with 7 completion tokens."""
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id))
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         pad_token_id=tok.pad_token_id))
     model.train()
     prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
     pid, pmask = left_pad(prompts, tok.pad_token_id)
-    geo = build_geometry(pid, pmask, torch.randint(5, 30, (2, 7)), torch.ones(2, 7))
+    return model, build_geometry(pid, pmask, torch.randint(5, 30, (2, 7)), torch.ones(2, 7))
+
+
+def test_keeping_the_attention_outputs_under_checkpointing_gives_the_same_gradients(tok):
+    """runtime.checkpoint_keep_attention: each layer's attention output is saved by the forward and not recomputed
+    (torch's selective activation checkpointing), the gradients bit for bit those of full recomputation."""
+    model, geo = _two_rows(tok, layers=2)
     seen_full, seen_kept = [], []
     full = _packed_grads(model, geo, False, seen_full)
     kept = _packed_grads(model, geo, True, seen_kept)
@@ -113,13 +119,7 @@ def test_layers_left_unchecked_give_the_same_gradients_and_are_not_recomputed(to
     with and without the attention outputs kept."""
     from opdkit import models
 
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tok.pad_token_id))
-    model.train()
-    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
-    pid, pmask = left_pad(prompts, tok.pad_token_id)
-    geo = build_geometry(pid, pmask, torch.randint(5, 30, (2, 7)), torch.ones(2, 7))
+    model, geo = _two_rows(tok, layers=3)
     calls = [0, 0, 0]
     mlps = [layer.mlp for layer in model.model.layers]
     mlp_forward = type(mlps[0]).forward
