@@ -60,6 +60,11 @@
 #   u4: carry .lane              the update's attention: varlen FlashAttention vs sdpa's cuDNN / flash row by row
 #                                (bench/update_attn_bench.py); S1 at 7,168 (3 steps) (~4 min; on 2026-12-04 it also ran
 #                                S1 through sdpa's cuDNN kernel row by row, a switch since taken out: slower)
+#   v1: carry .lane              the GEMV GPU tests (PRE: blocks of weights loaded before the wait); the decoder's GEMV
+#                                launch settings in place (bench/gemv_pre_bench.py), the best written into a copy of the
+#                                kit at /tmp/kit_best (~7 min)
+#   v2: carry .lane              (after v1, the machine still warm) S1 at 7,168 (3 steps) and 1,024 (4 steps), this kit
+#                                and /tmp/kit_best (~5 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -246,6 +251,18 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168 3 170 -S rollout.max_new_tokens=7168
     s1_run s1_7168_again 3 170 -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 110 -S rollout.max_new_tokens=1024
+    ;;
+  v1)
+    lim 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "gemv or programmatic" \
+      > "$OUT/tests.txt" 2>&1
+    lim 290 python3 bench/gemv_pre_bench.py --root "$R" --out "$OUT" --budget-s 250 > "$OUT/gemv_log.txt" 2>&1
+    lim 30 python3 bench/gemv_pre_bench.py --write-kit /tmp/kit_best --best "$OUT/gemv_best.json"
+    ;;
+  v2)
+    s1_run s1_7168 3 150 -S rollout.max_new_tokens=7168
+    s1_run s1_7168_best 3 150 --kit /tmp/kit_best -S rollout.max_new_tokens=7168
+    s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
+    s1_run s1_1024_best 4 90 --kit /tmp/kit_best -S rollout.max_new_tokens=1024
     ;;
   u4)
     lim 100 python3 bench/update_attn_bench.py > "$OUT/update_attn.jsonl" 2>> "$OUT/parts.txt"

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
               "GBps": weight_bytes / us / 1e3})
         want = cublas(0).float()
         configs, t_shape = [None], time.perf_counter()
-        bn, bk, sp, _, _ = dk.gemv_config(N, K)
+        bn, bk, sp, *_ = dk.gemv_config(N, K)
         if args.quick:
             pass
         elif args.grid == "blocks":

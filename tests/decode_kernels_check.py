@@ -114,6 +114,16 @@ def kernels() -> None:
             err, err_h = float((want - got).abs().max()), float((want_h - got_h).abs().max())
             check(f"linear_add_rms_norm {rows}x{n_in}->{n_out} bias={bias} config={config}",
                   got_h is h2 and err_h < 1e-5 and err < 1e-4, f"max err {err_h:.1e} (h) / {err:.1e} (normed)")
+    # the first PRE blocks of weights loaded before the inputs (under PDL: before the wait) change no bit: 300 inputs
+    # are 5 blocks of 64, the last one masked; one split and two
+    for split in (1, 2):
+        def both(pre, split=split):
+            config = (16, 64, split, 4, 3, pre)
+            return dk.linear(x, w_N_K, b_N, config), dk.linear_silu(x, w_2N_K, b_2N, config)
+
+        one_loop, pres = both(0), ((1, 2, 5) if split == 1 else (1, 3))
+        same = all(all(map(torch.equal, both(p), one_loop)) for p in pres)
+        check(f"gemv PRE {pres} blocks first, {split} split(s): the bits of one loop", same)
     raw = torch.randn(B, V) * 3
     seeds = torch.tensor([1, 2 ** 62 + 5, 7])
     for tau in (1.0, 0.6, 1.1):

@@ -17,7 +17,8 @@ F64 = "*fp64"
 KERNELS = {
     "gemv_kernel": (dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, out_ptr=BF, part_ptr=F32, B=I32, N=I32, KD=I32, stride_x=I32,
                          stride_w=I32),
-                    dict(K_PER=1536, BP=16, BLOCK_N=32, BLOCK_K=64, SPLIT=1, HAS_BIAS=True, SILU=True, IEEE=False)),
+                    dict(K_PER=1536, BP=16, BLOCK_N=32, BLOCK_K=64, SPLIT=1, HAS_BIAS=True, SILU=True, IEEE=False,
+                         PRE=1)),
     "gemv_reduce_add_norm_kernel": (dict(part_ptr=F32, b_ptr=BF, h_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32",
                                          stride_h=I32), dict(BP=16, BLOCK=2048, SPLIT=4, HAS_BIAS=False)),
     "gemv_reduce_kernel": (dict(part_ptr=F32, b_ptr=BF, out_ptr=BF, B=I32, N=I32),
@@ -53,7 +54,7 @@ KERNELS = {
 }
 
 
-def _ptx(name: str, pdl: bool) -> list[str]:
+def _ptx(name: str, pdl: bool, **over) -> list[str]:
     """The kernel's PTX instructions (its debug sections and comments dropped), compiled for sm_90. A kernel whose
     arguments no longer match KERNELS fails here (it is not skipped)."""
     try:
@@ -65,7 +66,7 @@ def _ptx(name: str, pdl: bool) -> list[str]:
     from opdkit.engines import decode_triton
 
     args, const = KERNELS[name]
-    const = {**const, "PDL": pdl}
+    const = {**const, **over, "PDL": pdl}
     src = ASTSource(getattr(decode_triton, name.split("/")[0]), {**args, **{k: "constexpr" for k in const}}, const)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=4, **({"launch_pdl": True} if pdl else {})))
@@ -93,3 +94,14 @@ def test_each_kernel_waits_for_the_one_before_under_pdl_and_only_then(name):
     else:  # the first block of weights (gate and up rows) is read before the wait: those loads are there
         assert any(re.search(LOAD, line) for line in with_pdl[:wait])
     assert not any("griddepcontrol" in line for line in without)
+
+
+def test_the_gemv_loads_its_first_pre_blocks_of_weights_before_the_wait():
+    """The q/k/v projection's shape (6 blocks of 16 x 256 weights a program): with PRE 6 every block's loads come
+    before the wait, ~6 times PRE 1's."""
+    qkv = dict(K_PER=1536, BLOCK_N=16, BLOCK_K=256, SILU=False)
+    before = []
+    for pre in (1, 6):
+        lines = _ptx("gemv_kernel", True, PRE=pre, **qkv)
+        before.append(sum(bool(re.search(LOAD, line)) for line in lines[:_first(lines, r"griddepcontrol\.wait")]))
+    assert before[0] >= 1 and before[1] >= 5 * before[0], before

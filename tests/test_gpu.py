@@ -82,6 +82,32 @@ def test_programmatic_dependent_launch_changes_no_sample(tok):
             assert all(torch.equal(g, e) for g, e in zip(got, want))
 
 
+def test_the_gemv_blocks_loaded_before_the_wait_change_no_bit():
+    """The projections at the 1.5B shape with the first PRE blocks of weights loaded before the wait (and 4 or 8
+    warps: the registers PRE needs), under programmatic dependent launch and without: the bits of the same blocks and
+    split launched without PDL in one loop (PRE 0; the blocks summed in the same order)."""
+    from opdkit.engines import decode_kernels as dk
+
+    torch.manual_seed(3)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    pdls = (True, False) if dk.pdl_available("cuda") else (False,)
+    for n_out, n_in, silu, (bn, bk, split), pres in (
+            (2048, 1536, False, (16, 256, 1), (0, 1, 2, 3, 6)), (1536, 1536, False, (16, 256, 1), (2, 6)),
+            (8960, 1536, True, (32, 64, 1), (1, 2, 4, 8)), (1536, 8960, False, (64, 256, 4), (1, 2)),
+            (1536, 8960, False, (32, 256, 8), (1, 2))):
+        x = torch.randn(8, n_in, **bf)
+        w = torch.randn((2 if silu else 1) * n_out, n_in, **bf) / n_in ** 0.5
+        b = torch.randn(w.shape[0], **bf)
+        one_loop = (bn, bk, split, 4, 4, 0)
+        want = dk.linear_silu(x, w, b, one_loop) if silu else dk.linear(x, w, b, one_loop)
+        for pre in pres:
+            for warps in (4, 8):
+                for pdl in pdls:
+                    config = (bn, bk, split, warps, 4, pre)
+                    got = dk.linear_silu(x, w, b, config, pdl) if silu else dk.linear(x, w, b, config, pdl)
+                    assert torch.equal(got, want), (n_out, n_in, config, pdl)
+
+
 def test_fused_graph_decoding_matches_the_modules_forward_in_fp32(tok):
     from opdkit.engines.base import left_pad
     from opdkit.engines.static import StaticDecoder

@@ -367,35 +367,44 @@ def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok
 GEMV_MAX_ROWS = 16  # the GEMV kernel pads the rows to 16 (tl.dot's smallest M); more rows: cuBLAS
 
 
-def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages) for ``gemv_launch`` of N outputs over K inputs. The rule
-    picks the fastest configuration of ``bench/gemv_bench.py``'s grid on an H200 (2026-12-02, batch 8, 28
+def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages, PRE) for ``gemv_launch`` of N outputs over K inputs. The
+    rule picks the fastest configuration of ``bench/gemv_bench.py``'s grid on an H200 (2026-12-02, batch 8, 28
     weights per graph) at each projection of the 1.5B shape: up to 2,048 inputs one pass (BLOCK_N 16 x BLOCK_K
     256 up to 4,096 outputs: q/k/v 5.53 us vs cuBLAS 5.86, o 4.97 vs 5.24; else 32 x 64: gate/up + silu 16.37
     vs 19.09 with its separate kernel); longer inputs split in powers of 2 until the programs fill ~70% of
-    the ``sms`` multiprocessors (down 64 x 256 x 4: 11.49 vs 11.74)."""
+    the ``sms`` multiprocessors (down 64 x 256 x 4: 11.49 vs 11.74). PRE: the blocks of weights each program
+    loads before the kernel before has finished (under programmatic dependent launch; ``gemv_kernel``): 2 for
+    the output projection (1,536 x 1,536: the decoder +0.5 to +1.2% in three measurements), 1 elsewhere (more
+    was slower at every projection, by up to 22%: the registers the blocks hold; ``bench/gemv_pre_bench.py`` in
+    the decoder at 1,024 new tokens, H200, 2026-12-04, BENCHMARKS.md)."""
     if K <= 2048:
-        return (16, 256, 1, 4, 4) if N <= 4096 else (32, 64, 1, 4, 4)
+        return (16, 256, 1, 4, 4, 2 if N <= 1536 else 1) if N <= 4096 else (32, 64, 1, 4, 4, 1)
     block_n, block_k, split = 64, 256, 1
     while -(-N // block_n) * split < 0.7 * sms and K // (2 * split) >= block_k:
         split *= 2
-    return block_n, block_k, split, 4, 4
+    return block_n, block_k, split, 4, 4, 1
 
 
 def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None, pdl: bool = False):
     """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
     rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
-    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``). ``add_norm``
-    = (h (B, N), norm weight (N,), eps): ``add_rms_norm`` of h and the projection follows (h updated in place;
-    returns (h, normed)), its sum of the partials in the same kernel when the projection is split; ``pdl``: launched
-    with programmatic dependent launch (``pdl_available``)."""
+    fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``, whose PRE
+    applies under ``pdl``; without it one loop, PRE 0); an explicit ``config``'s PRE applies as given, five
+    values mean PRE 1 under ``pdl``, else 0. ``add_norm`` = (h (B, N), norm weight (N,), eps): ``add_rms_norm``
+    of h and the projection follows (h updated in place; returns (h, normed)), its sum of the partials in the
+    same kernel when the projection is split; ``pdl``: launched with programmatic dependent launch
+    (``pdl_available``)."""
     k = _kernels()
     B, KD = x_B_K.shape
     if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
         raise ValueError(f"gemv: {B} rows (at most {GEMV_MAX_ROWS}) with unit-stride rows expected")
-    block_n, block_k, split, warps, stages = config or gemv_config(N, KD)
+    block_n, block_k, split, warps, stages, *pre = config or gemv_config(N, KD)
+    pre = pre[0] if pre and (pdl or config is not None) else int(pdl)  # without PDL by default: one loop
     per_split = -(-KD // split)
     per_split = -(-per_split // block_k) * block_k  # inputs per split, whole blocks
+    if not 0 <= pre <= min(8, per_split // block_k):
+        raise ValueError(f"gemv: PRE {pre}: expected 0 to 8 and at most the {per_split // block_k} blocks of a split")
     out_B_N = torch.empty((B, N), dtype=x_B_K.dtype, device=x_B_K.device)
     BP = GEMV_MAX_ROWS
     part = (torch.empty((split, BP, 2 * N if silu else N), dtype=torch.float32, device=x_B_K.device) if split > 1
@@ -405,7 +414,7 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     ieee = x_B_K.dtype == torch.float32
     k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
                     K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
-                    SILU=silu, IEEE=ieee, num_warps=warps, num_stages=stages, **_pdl(pdl))
+                    SILU=silu, IEEE=ieee, PRE=pre, num_warps=warps, num_stages=stages, **_pdl(pdl))
     if add_norm is not None and split > 1:  # the partials' sum, the residual add and the norm: one kernel
         h_B_N, weight_N, eps = add_norm
         if silu or h_B_N.stride(1) != 1:

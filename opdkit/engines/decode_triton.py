@@ -420,17 +420,35 @@ def _gemv_block(acc, acc_u, x, w, wu, SILU: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _gemv_weights_at(w_ptr, n, k_lo, j: tl.constexpr, N, KD, nmask, stride_w, BLOCK_K: tl.constexpr,
+                     SILU: tl.constexpr):
+    """``_gemv_weights`` of the split's block ``j``: inputs k_lo + j BLOCK_K ..."""
+    k = k_lo + j * BLOCK_K + tl.arange(0, BLOCK_K)
+    return _gemv_weights(w_ptr, n, k, N, nmask, k < KD, stride_w, SILU)
+
+
+@triton.jit
+def _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, j: tl.constexpr, KD, w, wu, BLOCK_K: tl.constexpr,
+               SILU: tl.constexpr, IEEE: tl.constexpr):
+    """``_gemv_block`` of the split's block ``j`` with its weights already loaded (w, wu): loads its inputs x."""
+    k = k_lo + j * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=rmask[:, None] & (k < KD)[None, :], other=0.0)
+    return _gemv_block(acc, acc_u, x, w, wu, SILU, IEEE)
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stride_w,
                 K_PER: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
-                PDL: tl.constexpr):
+                PRE: tl.constexpr, PDL: tl.constexpr):
     """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
     slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
-    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. Under PDL the first
-    block of weights is loaded before ``_pdl_enter`` (no kernel of the decode step writes a weight), so it streams
-    while the kernel before finishes, and the loop takes the other blocks; the blocks are summed in the same order
-    either way. Without PDL one loop takes every block: with the first apart, a decode step of the 1.5B shape
-    took ~4% longer there (H200, 2026-12-03, BENCHMARKS.md)."""
+    ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. The first PRE (0-8)
+    blocks of the slice's weights are loaded before anything else, under PDL before ``_pdl_enter`` (no kernel of
+    the decode step writes a weight), so they stream while the kernel before finishes; then the inputs x (the
+    kernel before's output) and the loop over the other blocks. The blocks are summed in the same order whatever
+    PRE is, so PRE changes no bit. Without PDL one loop takes every block (PRE 0): with the first apart, a decode
+    step of the 1.5B shape took ~4% longer there (H200, 2026-12-03, BENCHMARKS.md)."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.arange(0, BP)
@@ -440,17 +458,41 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stri
     k_lo = s * K_PER  # K_PER: the inputs of one split, whole blocks
     acc = tl.zeros([BP, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BP, BLOCK_N], tl.float32)
-    if PDL:
-        k = k_lo + tl.arange(0, BLOCK_K)
-        kmask = k < KD
-        w, wu = _gemv_weights(w_ptr, n, k, N, nmask, kmask, stride_w, SILU)
-        _pdl_enter(PDL)  # x: the kernel before's output
-        x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc, acc_u = _gemv_block(acc, acc_u, x, w, wu, SILU, IEEE)
-        first: tl.constexpr = 1
-    else:
-        first: tl.constexpr = 0
-    for i in range(first, K_PER // BLOCK_K):
+    # the first PRE blocks of weights, each in registers of its own (Triton has no indexable list of blocks)
+    if PRE > 0:
+        w0, u0 = _gemv_weights_at(w_ptr, n, k_lo, 0, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PRE > 1:
+        w1, u1 = _gemv_weights_at(w_ptr, n, k_lo, 1, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PRE > 2:
+        w2, u2 = _gemv_weights_at(w_ptr, n, k_lo, 2, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PRE > 3:
+        w3, u3 = _gemv_weights_at(w_ptr, n, k_lo, 3, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PRE > 4:
+        w4, u4 = _gemv_weights_at(w_ptr, n, k_lo, 4, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PRE > 5:
+        w5, u5 = _gemv_weights_at(w_ptr, n, k_lo, 5, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PRE > 6:
+        w6, u6 = _gemv_weights_at(w_ptr, n, k_lo, 6, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PRE > 7:
+        w7, u7 = _gemv_weights_at(w_ptr, n, k_lo, 7, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    _pdl_enter(PDL)  # x: the kernel before's output
+    if PRE > 0:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 0, KD, w0, u0, BLOCK_K, SILU, IEEE)
+    if PRE > 1:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 1, KD, w1, u1, BLOCK_K, SILU, IEEE)
+    if PRE > 2:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 2, KD, w2, u2, BLOCK_K, SILU, IEEE)
+    if PRE > 3:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 3, KD, w3, u3, BLOCK_K, SILU, IEEE)
+    if PRE > 4:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 4, KD, w4, u4, BLOCK_K, SILU, IEEE)
+    if PRE > 5:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 5, KD, w5, u5, BLOCK_K, SILU, IEEE)
+    if PRE > 6:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 6, KD, w6, u6, BLOCK_K, SILU, IEEE)
+    if PRE > 7:
+        acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 7, KD, w7, u7, BLOCK_K, SILU, IEEE)
+    for i in range(PRE, K_PER // BLOCK_K):
         k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = k < KD
         x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
