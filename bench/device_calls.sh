@@ -65,6 +65,9 @@
 #                                kit at /tmp/kit_best (~7 min)
 #   v2: carry .lane              (after v1, the machine still warm) S1 at 7,168 (3 steps) and 1,024 (4 steps), this kit
 #                                and /tmp/kit_best (~5 min)
+#   v3: carry .lane              the decoder's and the GEMV's GPU tests in test_gpu.py; one S1 step's scoring and update at
+#                                7,168 new tokens, packed, with the unchecked layers (s1_speed.py update): times, FLOP
+#                                rate, kernels and the ops that launched them (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -263,6 +266,12 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168_best 3 150 --kit /tmp/kit_best -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
     s1_run s1_1024_best 4 90 --kit /tmp/kit_best -S rollout.max_new_tokens=1024
+    ;;
+  v3)
+    lim 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "decod or gemv or graph" \
+      > "$OUT/tests.txt" 2>&1
+    lim 220 python3 bench/s1_speed.py update --root "$R" --out "$OUT" --max-new-tokens 7168 --modes packed \
+      > "$OUT/update_log.txt" 2>&1
     ;;
   u4)
     lim 100 python3 bench/update_attn_bench.py > "$OUT/update_attn.jsonl" 2>> "$OUT/parts.txt"

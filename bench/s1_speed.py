@@ -551,8 +551,9 @@ def update(args) -> None:
     the HF engine's static decoder for the batch, ``step.score_batch``, ``step.micro_losses``, clip, AdamW,
     the engine's weight sync), timed per phase over 3 repetitions on the same batch (the optimizer steps at
     lr 0: the weights stay), with rows packed into one forward (``opdkit.packing``) and row by row (today's
-    before); the update's achieved FLOP rate (6 x parameters x tokens, recompute not counted) and a
-    kernel profile of one repetition of each."""
+    before; ``--modes`` picks), the last layers unchecked where memory allows as the trainer runs them
+    (``runtime.unchecked_layers_memory``); the update's achieved FLOP rate (6 x parameters x tokens,
+    recompute not counted) and a kernel profile of one repetition of each, with the ops that launched them."""
     from opdkit import packing
     from opdkit.engines.select import make_engine
     from opdkit.setup import build_run, prepare_inputs
@@ -573,7 +574,10 @@ def update(args) -> None:
     tokens = int(ro.prompt_mask_B_Sp.sum() + ro.completion_mask_B_T.sum())
     trainable = [p for p in run.student.parameters() if p.requires_grad]
     varlen = packing.varlen_available(device)
-    for mode in (["per_row", "packed"] if varlen else ["per_row"]):
+    # as ``step.loss_and_backward`` runs it: the last layers unchecked where memory allows (one process: world 1)
+    unchecked = cfg.runtime.unchecked_layers_memory if cfg.runtime.grad_checkpointing else 0.0
+    modes = [m for m in (args.modes or "per_row,packed").split(",") if m == "per_row" or varlen]
+    for mode in modes:
         packing_on = mode == "packed"
         orig = packing.varlen_available
         packing.varlen_available = (lambda d, on=packing_on, f=orig: on and f(d))
@@ -589,7 +593,8 @@ def update(args) -> None:
                     kw = dict(rollout=cfg.rollout, runtime=cfg.runtime, micro_batch=cfg.optim.micro_batch)
                     contexts = opd_step.score_batch(cfg.loss, run.teacher, batch, run.autocast, run.teacher_ctx, **kw)
                     t1 = sync(device)
-                    m = opd_step.micro_losses(cfg.loss, run.student, batch, contexts, run.autocast, **kw)
+                    m = opd_step.micro_losses(cfg.loss, run.student, batch, contexts, run.autocast, **kw,
+                                              unchecked_memory=unchecked)
                     t2 = sync(device)
                     torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                     run.optimizer.step()
@@ -605,9 +610,14 @@ def update(args) -> None:
                     top, ms, launches = kernel_table(prof, 1, device)
                     write_profile(out, "update", f"score + update, {mode}, {T} new tokens, {tokens} tokens: {ms:.1f} "
                                                  f"device ms, {launches} kernels", top)
+                    with (out / "profile_update_ops.txt").open("a") as f:  # the ops that launched them
+                        f.write(f"\n## score + update, {mode}, {T} new tokens: ops by their own device time\n")
+                        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=45,
+                                                          max_name_column_width=60))
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             upd = med["loss_backward_s"] + med["optimizer_s"] + med["sync_s"]
             append(out, {"what": "update", "mode": mode, "max_new_tokens": T, "tokens": tokens, "params": n_params,
+                         "unchecked_memory": unchecked,
                          **med, "update_s": upd, "loss": m["loss"],
                          "update_tflops": 6 * n_params * tokens / upd / 1e12,
                          "fwd_bwd_tflops": 6 * n_params * tokens / med["loss_backward_s"] / 1e12})
@@ -887,6 +897,7 @@ def main(argv=None) -> int:
     ap.add_argument("--save-logp", default="", help="static: a folder for each decoder's recorded log-probs (.pt)")
     ap.add_argument("--ablate", default="", help="static, timing only: kernels left out (merge,o_norm; _ablate)")
     ap.add_argument("--static-main", default="", help="static: main's opdkit/engines/static.py (the 'before')")
+    ap.add_argument("--modes", default="", help="update: per_row,packed (default both where varlen runs)")
     ap.add_argument("--mp", type=int, default=0, help="vllm-raw: VLLM_ENABLE_V1_MULTIPROCESSING")
     ap.add_argument("--async-scheduling", type=int, default=None, help="vllm-raw: 0 / 1 (default: vLLM's choice)")
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
