@@ -1,12 +1,14 @@
 """The static-cache decoder (opdkit.engines.static) against HF generate, eagerly on the CPU (the GPU
 tests in test_gpu.py check CUDA-graph replay against this eager path)."""
 
+import math
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from opdkit.engines.base import left_pad
-from opdkit.engines.decode_kernels import rotate
+from opdkit.engines.decode_kernels import gemv_config, rotate
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import policy_scores, sample_seed, uniform_noise
 from opdkit.engines.static import StaticDecoder, inference_copy
@@ -125,3 +127,15 @@ def test_the_decoders_rotation_is_hf_rotary_embedding():
             got = rotate(x, cos_B_1_D[:, 0], sin_B_1_D[:, 0])
             err = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).max()
             assert err <= tol, (dtype, float(err))  # one bf16 ulp at |x| in [1, 2) is 2^-7
+
+
+def test_the_gemv_rule_loads_first_no_more_blocks_than_a_split_has():
+    """``gemv_config``'s PRE (the blocks of weights loaded before the kernel before has finished) fits in one split
+    of the inputs at every shape, small models' included (a PRE past the split's blocks is refused at launch: the
+    GPU tests of tiny models found the rule's PRE 2 there), and the rule's measured choices at the 1.5B shape hold."""
+    for n_out in (8, 32, 64, 256, 1536, 2048, 4096, 8960, 151936):
+        for n_in in (8, 32, 64, 256, 257, 512, 1536, 2048, 4096, 8960):
+            block_n, block_k, split, warps, stages, pre = gemv_config(n_out, n_in)
+            blocks = math.ceil(math.ceil(n_in / split) / block_k)  # of one split, as gemv_launch rounds it
+            assert 1 <= pre <= blocks, (n_out, n_in, pre)
+    assert gemv_config(1536, 1536)[5] == 2 and gemv_config(2048, 1536)[5] == 1 and gemv_config(1536, 8960)[5] == 1

@@ -377,9 +377,9 @@ def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int
     loads before the kernel before has finished (under programmatic dependent launch; ``gemv_kernel``): 2 for
     the output projection (1,536 x 1,536: the decoder +0.5 to +1.2% in three measurements), 1 elsewhere (more
     was slower at every projection, by up to 22%: the registers the blocks hold; ``bench/gemv_pre_bench.py`` in
-    the decoder at 1,024 new tokens, H200, 2026-12-04, BENCHMARKS.md)."""
+    the decoder at 1,024 new tokens, H200, 2026-12-04, BENCHMARKS.md); never more than a split's blocks."""
     if K <= 2048:
-        return (16, 256, 1, 4, 4, 2 if N <= 1536 else 1) if N <= 4096 else (32, 64, 1, 4, 4, 1)
+        return (16, 256, 1, 4, 4, 2 if N <= 1536 and K > 256 else 1) if N <= 4096 else (32, 64, 1, 4, 4, 1)
     block_n, block_k, split = 64, 256, 1
     while -(-N // block_n) * split < 0.7 * sms and K // (2 * split) >= block_k:
         split *= 2
