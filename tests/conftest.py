@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from opdkit.embedded.tokenizer import build_tokenizer
-
+# torch, transformers and opdkit are imported where they are used (the workers' test files, the fixtures below), not
+# here: xdist's controller process, which runs no test, loads this file too, and importing them there cost ~4 s
+# before the workers started
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per CPU (pyproject's -n auto): one thread each,
+    import torch
+
     torch.set_num_threads(1)  # and idle OpenMP threads that sleep instead of spinning
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -18,11 +19,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per CPU (pyproject's -n 
 
 @pytest.fixture(scope="session")
 def tok():
+    from opdkit.embedded.tokenizer import build_tokenizer
+
     return build_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tok):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -11,7 +11,6 @@ import json
 import math
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from opdkit.cli import main
@@ -65,6 +64,8 @@ def runs(tmp_path_factory):
 
 
 def test_every_notebook_has_one_parameters_cell_and_is_tested():
+    import nbformat  # (here, not at the top: importing it takes ~1.2 s, jsonschema's IRI grammar, in every worker)
+
     tested = {"training_dynamics", "eval_comparison", "repeat_runs", "rollout_inspection", "study_padding",
               "study_clipped_mass"}
     assert {p.stem for p in NOTEBOOKS.glob("*.ipynb")} == tested
@@ -83,6 +84,7 @@ def test_papermill_reads_every_parameter(caplog):
     import ast
     import logging
 
+    import nbformat
     import papermill
 
     for p in NOTEBOOKS.glob("*.ipynb"):
