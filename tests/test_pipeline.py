@@ -172,6 +172,10 @@ TINY = {
 # module its processes import, as it is imported (kernels may end without running atexit handlers).
 SITECUSTOMIZE = '''
 import os, sys
+# (not a log: jsonschema, which papermill imports through nbformat in each notebook stage, builds the grammar of
+# rfc3987-syntax, where that is installed, for its 'iri' format check at import, ~1 s of each such process; no
+# notebook is validated against that format)
+sys.modules.setdefault("rfc3987_syntax", None)
 _stage, _log = os.environ.get("DVC_STAGE"), os.environ.get("OPDKIT_IMPORT_LOG")
 if _stage and _log:
     _path = os.path.join(_log, f"{os.getpid()}.txt")
