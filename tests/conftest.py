@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 
 import pytest
+
+# Bytecode. Where PYTHONDONTWRITEBYTECODE is set (the sessions on this machine set it), no bytecode was cached: each
+# worker rewrote the asserts of every test file again at collection (~3.5 s) and each Python process of the suite
+# compiled the opdkit sources it imported again (~0.2 s a trainer). The suite's processes keep their bytecode under
+# one folder of the temp directory instead (PYTHONPYCACHEPREFIX, which the workers and every child inherit), still
+# writing none next to the sources. The first run there compiles what it imports once, site-packages included.
+if sys.dont_write_bytecode and not os.environ.get("PYTHONPYCACHEPREFIX"):
+    _prefix = os.path.join(tempfile.gettempdir(), f"opdkit-tests-pycache-{os.getuid()}")
+    os.environ["PYTHONPYCACHEPREFIX"] = _prefix
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.pycache_prefix, sys.dont_write_bytecode = _prefix, False
 
 # torch, transformers and opdkit are imported where they are used (the workers' test files, the fixtures below), not
 # here: xdist's controller process, which runs no test, loads this file too, and importing them there cost ~4 s

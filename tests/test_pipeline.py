@@ -223,7 +223,11 @@ def _env(tmp: Path) -> dict:
     e = dict(os.environ)
     e.update(PYTHONPATH=os.pathsep.join([str(tmp / "repo"), str(hook)]),  # the copy's opdkit, not the installed one
              OPDKIT_IMPORT_LOG=str(tmp / "imports"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-             HF_HUB_OFFLINE="1", DVC_NO_ANALYTICS="1", PYTHONDONTWRITEBYTECODE="1")
+             HF_HUB_OFFLINE="1", DVC_NO_ANALYTICS="1")
+    # no byte-code in the copy: with the suite's PYTHONPYCACHEPREFIX (conftest.py) it goes there, and the stages'
+    # processes compile the copy's opdkit once, not each of them again
+    if not e.get("PYTHONPYCACHEPREFIX"):
+        e["PYTHONDONTWRITEBYTECODE"] = "1"
     return e
 
 
