@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -52,16 +53,24 @@ def tiny_llama(tok):
 # The longest test files first. The suite runs whole files on xdist workers (--dist loadfile) in the
 # collection order (--no-loadscope-reorder: xdist would otherwise start the files with the most tests
 # first, so one long file of few tests, test_pipeline's dvc repro, started near the end and ran alone);
-# with the longest first, the wall time is about the total over the workers, not a long file's tail.
-# The order: per-file wall times measured with --durations (issue 27, a busy 2-core machine: shares
-# only; test_end_of_run ~5 min, test_rank_faults and test_decode_kernels ~2 each, placed 2026-12-02 from
-# their files' own runs); files not listed keep their order after these. It decides the order only, never what runs.
-LONGEST_FIRST = ("test_pipeline.py", "test_end_of_run.py", "test_notebooks.py", "test_faults.py", "test_realscale.py",
-                 "test_distributed.py", "test_resume.py", "test_cli_errors.py", "test_runsh.py", "test_rank_faults.py",
-                 "test_decode_kernels.py", "test_teachers.py", "test_vllm_teacher.py",
-                 "test_collectives.py", "test_fixture.py", "test_doctor.py",
-                 "test_publish.py", "test_train_losses.py", "test_stage_jobs.py", "test_sampling.py",
-                 "test_rollout.py", "test_privileged_live.py", "test_scoring.py", "test_studies.py")
+# longest first, each file goes to the worker that frees up first, and the short files at the end even out
+# the two workers' ends (a long file last would leave the other worker idle for its tail).
+# FILE_SECONDS: each file's seconds (its tests' setup + call + teardown) in the suite on the idle 2-core
+# machine, the mean of two full runs (2026-12-04, 664 and 742 s of pytest wall); files not listed
+# (under 2 s) run after these in their collection order. It decides the order only, never what runs.
+# To measure again: OPDKIT_FILE_SECONDS=times.json pytest (the suite as usual) writes each file's seconds there.
+FILE_SECONDS = {
+    "test_end_of_run.py": 225, "test_pipeline.py": 143, "test_realscale.py": 109, "test_runsh.py": 91,
+    "test_rank_faults.py": 76, "test_notebooks.py": 73, "test_collectives.py": 53, "test_teachers.py": 53,
+    "test_faults.py": 50, "test_vllm_teacher.py": 50, "test_resume.py": 47, "test_decode_kernels.py": 39,
+    "test_distributed.py": 35, "test_stage_jobs.py": 26, "test_cli_errors.py": 25, "test_doctor.py": 24,
+    "test_train_losses.py": 20, "test_sampling.py": 20, "test_xtok_run.py": 20, "test_rewards.py": 19,
+    "test_embedded_build.py": 18, "test_policy.py": 17, "test_schedules.py": 15, "test_fixture.py": 13,
+    "test_publish.py": 12, "test_overlap.py": 11, "test_xtok.py": 10, "test_offline.py": 10,
+    "test_trainer_state.py": 9, "test_thinking.py": 7, "test_run_config.py": 3, "test_vllm_engine.py": 3,
+    "test_config.py": 3, "test_overlap_bias.py": 2, "test_rollout.py": 2, "test_deadline.py": 2,
+    "test_alignment.py": 2,
+}
 
 
 @pytest.fixture(scope="session")
@@ -77,5 +86,22 @@ def runner():
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's tests keep their order
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """With OPDKIT_FILE_SECONDS: each file's seconds, summed over its tests' phases (in the xdist controller, which
+    gets every worker's reports, or the one process of -n 0)."""
+    if os.environ.get("OPDKIT_FILE_SECONDS") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        _file_seconds[name] = _file_seconds.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("OPDKIT_FILE_SECONDS")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "w") as f:
+            json.dump(dict(sorted(_file_seconds.items(), key=lambda kv: -kv[1])), f, indent=1)
