@@ -234,8 +234,9 @@ def test_bash_run_sh_with_only_the_orchestrators_variables_is_s1s_formal_replay(
     assert not (out / "state").exists() and (out / "checkpoints" / "checkpoint-0").is_dir()
     run = json.loads((out / "run.json").read_text())
     assert (run["status"], run["reason"], run["step"]) == ("completed", "wall_clock", 0)
-    # the same OUTPUT_DIR and CKPT_DIR again: the run resumes from CKPT_DIR's state and has nothing to do
-    again = run_sh(tmp_path, timeout=600, runner=runner, real_trainer=True, **orchestrator)
+    # the same OUTPUT_DIR and CKPT_DIR again: the run resumes from CKPT_DIR's state and has nothing to do (its trainer a
+    # child of the warm runner: no budget is spent on this start-up, and a fresh interpreter's imports are spared)
+    again = run_sh(tmp_path, timeout=600, runner=runner, **orchestrator)
     assert again.returncode == 0 and f"resuming from {ckpt / 'trainer_state-0'}" in again.stdout, again.stderr[-2000:]
 
 
