@@ -17,6 +17,14 @@ from procs import env
 SEED = 0
 
 
+def session_root(tmp_path_factory) -> Path:
+    """The base temp directory that all xdist workers of the test session share."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # .../pytest-N/popen-gwK -> .../pytest-N, the session's
+    return root
+
+
 def fixture_dir(tmp_path_factory, seed: int = SEED) -> Path:
     """The fixture, built by the first caller of the test session: under the base temp directory that
     all xdist workers of the session share (one build, not one per worker), under a lock. Another
@@ -27,9 +35,7 @@ def fixture_dir(tmp_path_factory, seed: int = SEED) -> Path:
     given = os.environ.get("OPDKIT_FIXTURE_DIR")
     if given and (Path(given) / "manifest.json").is_file() and read_json(Path(given), "manifest.json")["seed"] == seed:
         return Path(given)
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # .../pytest-N/popen-gwK -> .../pytest-N, the session's
+    root = session_root(tmp_path_factory)
     name = "qwen2-fixture" if seed == SEED else f"qwen2-fixture-seed{seed}"
     d = root / name
     with open(root / f"{name}.lock", "w") as lock:
@@ -40,6 +46,32 @@ def fixture_dir(tmp_path_factory, seed: int = SEED) -> Path:
                                    str(seed)], env=env(), text=True, capture_output=True, timeout=300)
             assert proc.returncode == 0, proc.stderr[-3000:]
             assert f"wrote the qwen2 fixture to {d}" in proc.stdout
+    return d
+
+
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
+
+
+def teacher_of_seed(tmp_path_factory, fx: Path, seed: int) -> Path:
+    """The teacher that ``opdkit fixture qwen2 --seed SEED`` writes (``fixture.make_model("teacher", 2 * seed + 1)``,
+    saved as the build saves it: the same files, other random weights), with ``fx``'s teacher's tokenizer files (the
+    build writes the same ones whatever the seed). Built once per test session (``session_root``), under a lock: only
+    the teacher, where a whole fixture of that seed (both models, three tokenizers, the data) took ~15 s of CPU."""
+    import torch
+
+    from opdkit.fixture import make_model
+
+    root = session_root(tmp_path_factory)
+    d = root / f"qwen2-teacher-seed{seed}"
+    with open(root / f"{d.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not d.is_dir():
+            part = root / f".{d.name}.part"
+            shutil.rmtree(part, ignore_errors=True)  # a build killed half-way
+            copy_model(fx / "teacher", part, skip=MODEL_FILES)
+            with torch.random.fork_rng(devices=[]):  # make_model seeds torch; this process's generator stays as it was
+                make_model("teacher", 2 * seed + 1).save_pretrained(str(part))
+            part.rename(d)
     return d
 
 

@@ -20,7 +20,7 @@ from opdkit.data import encode_prompt, load_examples, read_table
 from opdkit.models import load_model, load_tokenizer
 from opdkit.pairs import use_shared_vocab
 from opdkit.scoring import completion_hidden, token_logprobs, unwrap
-from qwen2_fixture import fixture_dir, teacher_with_another_vocabulary
+from qwen2_fixture import fixture_dir, teacher_of_seed, teacher_with_another_vocabulary
 
 CPU = torch.device("cpu")
 TINY = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8", "runtime.threads=1",
@@ -34,13 +34,13 @@ def fx(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fx2(tmp_path_factory) -> Path:
-    """The fixture built with another seed: its teacher has other weights, the same tokenizer."""
-    return fixture_dir(tmp_path_factory, seed=1)
+def teacher2(fx, tmp_path_factory) -> Path:
+    """The fixture's teacher as the build with another seed writes it: other weights, the same tokenizer."""
+    return teacher_of_seed(tmp_path_factory, fx, seed=1)
 
 
-def _teachers(fx, fx2) -> list[str]:
-    return [f"teachers=[{{name: a, path: {fx / 'teacher'}}}, {{name: b, path: {fx2 / 'teacher'}}}]",
+def _teachers(fx, teacher2) -> list[str]:
+    return [f"teachers=[{{name: a, path: {fx / 'teacher'}}}, {{name: b, path: {teacher2}}}]",
             "data.teacher_column=teacher"]
 
 
@@ -52,12 +52,12 @@ def _routed_data(fx, dst: Path, names=("a", "b")) -> Path:
 
 
 @pytest.fixture(scope="module")
-def models(fx, fx2):
+def models(fx, teacher2):
     tok = load_tokenizer(fx / "student")
     student = load_model(fx / "student", CPU, torch.float32, "student model", trainable=True)
     a = load_model(fx / "teacher", CPU, torch.float32, "teacher a model")
-    b = load_model(fx2 / "teacher", CPU, torch.float32, "teacher b model")
-    use_shared_vocab(tok, {"s": (fx / "student", student), "a": (fx / "teacher", a), "b": (fx2 / "teacher", b)},
+    b = load_model(teacher2, CPU, torch.float32, "teacher b model")
+    use_shared_vocab(tok, {"s": (fx / "student", student), "a": (fx / "teacher", a), "b": (teacher2, b)},
                      log=lambda _: None)
     return tok, student, a, b
 
@@ -96,7 +96,7 @@ def _grads(student) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("loss", ["k1", "topk_fkl", "rkl"])
-def test_rows_are_scored_by_the_teacher_they_name(fx, fx2, models, loss):
+def test_rows_are_scored_by_the_teacher_they_name(fx, teacher2, models, loss):
     """Each row's teacher scores are those of its teacher scored alone; the step's gradient is the sum of
     each teacher's rows' gradients (the step's token mean); the per-teacher loss and KL are each teacher's
     own. Micro-batches of 3 rows cross the teachers' rows (0, 3: a; 1, 2: b)."""
@@ -104,7 +104,7 @@ def test_rows_are_scored_by_the_teacher_they_name(fx, fx2, models, loss):
     batch = _batch(fx, tok, student)
     common = [f"loss.name={loss}", "loss.topk=8", "runtime.logprob_chunk=4", "rollout.temperature=0.6",
               "rollout.top_p=0.95"]
-    cfg = load_config(None, [*common, *_teachers(fx, fx2), "optim.micro_batch=3"])
+    cfg = load_config(None, [*common, *_teachers(fx, teacher2), "optim.micro_batch=3"])
     one = load_config(None, common)
     nc = contextlib.nullcontext
     kw, kw_one = _settings(cfg), _settings(one)
@@ -144,11 +144,12 @@ def _cli(*args, overrides):
     return opdkit_main([*args, "-p", "none", "--quiet", *[x for kv in overrides for x in ("-S", kv)]])
 
 
-def test_two_teachers_train_with_per_teacher_metrics(fx, fx2, tmp_path):
+def test_two_teachers_train_with_per_teacher_metrics(fx, teacher2, tmp_path):
     data = _routed_data(fx, tmp_path / "routed.jsonl")
     out = tmp_path / "out"
     rc = _cli("train", "--out", str(out), overrides=[f"student.path={fx / 'student'}", f"data.train={data}",
-                                                     *_teachers(fx, fx2), *TINY, "loss.name=k1", "budget.max_steps=2"])
+                                                     *_teachers(fx, teacher2), *TINY, "loss.name=k1",
+                                                     "budget.max_steps=2"])
     assert rc == 0
     rows = [json.loads(ln) for ln in (out / "metrics" / "train.jsonl").read_text().splitlines()]
     for r in rows:
@@ -159,11 +160,11 @@ def test_two_teachers_train_with_per_teacher_metrics(fx, fx2, tmp_path):
     assert any(r["teacher.a.tokens"] for r in rows) and any(r["teacher.b.tokens"] for r in rows)
 
 
-def test_a_row_naming_no_known_teacher_is_refused_before_anything_is_written(fx, fx2, tmp_path, capsys):
+def test_a_row_naming_no_known_teacher_is_refused_before_anything_is_written(fx, teacher2, tmp_path, capsys):
     data = _routed_data(fx, tmp_path / "routed.jsonl", names=("a", "b", "b", "c"))
     out = tmp_path / "out"
     rc = _cli("train", "--out", str(out), overrides=[f"student.path={fx / 'student'}", f"data.train={data}",
-                                                     *_teachers(fx, fx2), *TINY, "budget.max_steps=1"])
+                                                     *_teachers(fx, teacher2), *TINY, "budget.max_steps=1"])
     err = capsys.readouterr().err
     assert rc == 2 and not out.exists()
     assert f"data file {data}, row 3" in err and "names teacher 'c'" in err and "a, b" in err

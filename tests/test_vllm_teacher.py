@@ -22,7 +22,7 @@ from opdkit.config import load_config
 from opdkit.engines import vllm_teacher as vt
 from opdkit.models import load_model, load_tokenizer
 from opdkit.pairs import use_shared_vocab
-from qwen2_fixture import fixture_dir
+from qwen2_fixture import fixture_dir, teacher_of_seed
 
 CPU = torch.device("cpu")
 N_IDS = 151665
@@ -302,11 +302,11 @@ def test_several_teachers_each_on_its_server(fx, cut, hf, tmp_path_factory):
     from opdkit import teachers
 
     tok, student, teacher, served = hf
-    fx2 = fixture_dir(tmp_path_factory, seed=1)
+    fx2 = teacher_of_seed(tmp_path_factory, fx, seed=1)  # as the fixture's build with seed 1 writes it
     cut2 = tmp_path_factory.mktemp("cut2") / "teacher-cut"
-    assert opdkit_main(["vocab-cut", "--model", str(fx2 / "teacher"), "--out", str(cut2)]) == 0
-    teacher2 = load_model(fx2 / "teacher", CPU, torch.float32, "teacher model")
-    use_shared_vocab(tok, {"t2": (fx2 / "teacher", teacher2)}, log=lambda _: None)
+    assert opdkit_main(["vocab-cut", "--model", str(fx2), "--out", str(cut2)]) == 0
+    teacher2 = load_model(fx2, CPU, torch.float32, "teacher model")
+    use_shared_vocab(tok, {"t2": (fx2, teacher2)}, log=lambda _: None)
     batch = _batch(fx, tok, student)
     batch.teacher_B = torch.tensor([1, 0, 0, 1, 1, 0])
     cfg = load_config(None, ["loss.name=topk_fkl", "loss.topk=4", "optim.micro_batch=4"])
