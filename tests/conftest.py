@@ -56,20 +56,20 @@ def tiny_llama(tok):
 # longest first, each file goes to the worker that frees up first, and the short files at the end even out
 # the two workers' ends (a long file last would leave the other worker idle for its tail).
 # FILE_SECONDS: each file's seconds (its tests' setup + call + teardown) in the suite on the idle 2-core
-# machine, the mean of two full runs (2026-12-04, 664 and 742 s of pytest wall); files not listed
+# machine, the mean of two full runs (2026-12-04, 615 and 598 s of pytest wall); files not listed
 # (under 2 s) run after these in their collection order. It decides the order only, never what runs.
 # To measure again: OPDKIT_FILE_SECONDS=times.json pytest (the suite as usual) writes each file's seconds there.
 FILE_SECONDS = {
-    "test_end_of_run.py": 225, "test_pipeline.py": 143, "test_realscale.py": 109, "test_runsh.py": 91,
-    "test_rank_faults.py": 76, "test_notebooks.py": 73, "test_collectives.py": 53, "test_teachers.py": 53,
-    "test_faults.py": 50, "test_vllm_teacher.py": 50, "test_resume.py": 47, "test_decode_kernels.py": 39,
-    "test_distributed.py": 35, "test_stage_jobs.py": 26, "test_cli_errors.py": 25, "test_doctor.py": 24,
-    "test_train_losses.py": 20, "test_sampling.py": 20, "test_xtok_run.py": 20, "test_rewards.py": 19,
-    "test_embedded_build.py": 18, "test_policy.py": 17, "test_schedules.py": 15, "test_fixture.py": 13,
-    "test_publish.py": 12, "test_overlap.py": 11, "test_xtok.py": 10, "test_offline.py": 10,
-    "test_trainer_state.py": 9, "test_thinking.py": 7, "test_run_config.py": 3, "test_vllm_engine.py": 3,
-    "test_config.py": 3, "test_overlap_bias.py": 2, "test_rollout.py": 2, "test_deadline.py": 2,
-    "test_alignment.py": 2,
+    "test_end_of_run.py": 187, "test_pipeline.py": 119, "test_realscale.py": 84, "test_runsh.py": 82,
+    "test_notebooks.py": 75, "test_rank_faults.py": 72, "test_vllm_teacher.py": 49, "test_collectives.py": 48,
+    "test_decode_kernels.py": 48, "test_teachers.py": 45, "test_faults.py": 38, "test_resume.py": 37,
+    "test_distributed.py": 32, "test_cli_errors.py": 22, "test_doctor.py": 20, "test_stage_jobs.py": 20,
+    "test_xtok_run.py": 18, "test_sampling.py": 17, "test_policy.py": 17, "test_embedded_build.py": 17,
+    "test_rewards.py": 16, "test_train_losses.py": 16, "test_schedules.py": 15, "test_overlap.py": 12,
+    "test_fixture.py": 11, "test_offline.py": 10, "test_publish.py": 10, "test_trainer_state.py": 8, "test_xtok.py": 8,
+    "test_thinking.py": 7, "test_config.py": 3, "test_deadline.py": 3, "test_rollout.py": 3, "test_overlap_bias.py": 3,
+    "test_run_config.py": 2, "test_alignment.py": 2, "test_privileged_live.py": 2, "test_vllm_engine.py": 2,
+    "test_studies.py": 2, "test_topk.py": 2,
 }
 
 
