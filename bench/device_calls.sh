@@ -68,6 +68,9 @@
 #   v3: carry .lane              the decoder's and the GEMV's GPU tests in test_gpu.py; one S1 step's scoring and update at
 #                                7,168 new tokens, packed, with the unchecked layers (s1_speed.py update): times, FLOP
 #                                rate, kernels and the ops that launched them (~6 min)
+#   w1: carry .lane              S1 as issue 31 times it: 7,168 new tokens, 4 steps (steps 2-4); 1,024, 4 steps; the static
+#                                decoder at 1,024 beside the weights-only bound measured in the same call (~6 min)
+#   w2: carry .lane              (after w1, the machine still warm) S1 at 7,168 new tokens, 4 steps, twice (~5 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -266,6 +269,15 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168_best 3 150 --kit /tmp/kit_best -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
     s1_run s1_1024_best 4 90 --kit /tmp/kit_best -S rollout.max_new_tokens=1024
+    ;;
+  w1)
+    s1_run s1_7168 4 150 -S rollout.max_new_tokens=7168
+    s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
+    lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    ;;
+  w2)
+    s1_run s1_7168_2 4 150 -S rollout.max_new_tokens=7168
+    s1_run s1_7168_3 4 150 -S rollout.max_new_tokens=7168
     ;;
   v3)
     lim 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py -k "decod or gemv or graph" \
