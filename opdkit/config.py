@@ -26,6 +26,16 @@ class ConfigError(ValueError):
     """A params file or override that does not fit the schema (the message names the key)."""
 
 
+def check_at_least(section: str, values: dict[str, float], lowest: dict[str, tuple[float, str]]) -> None:
+    """``ConfigError`` naming the first key of ``section`` whose value in ``values`` is below its
+    lowest in ``lowest`` (key -> (the lowest value, what that value means or "")), or NaN."""
+    for key, (low, meaning) in lowest.items():
+        value = values[key]
+        if not value >= low:  # NaN fails too
+            raise ConfigError(f"params key '{section}.{key}': expected >= {low:g}{meaning and ' (' + meaning + ')'}, "
+                              f"got {value!r}")
+
+
 def parse_size(text: str, key: str = "max_shard_size") -> int:
     """``"5GB"`` -> bytes (units as ``save_pretrained``: KB, MB, GB = powers of 1000; KiB ... of 1024)."""
     from huggingface_hub.serialization._base import parse_size_to_int
@@ -199,6 +209,10 @@ class RolloutConfig:
     # (the pool policy's recorded log-probs: ratio current student / behaviour) | none (the current student's: ratio 1)
     offline_ratio: str = "behaviour"
 
+    def __post_init__(self):  # temperature 0 is greedy; a negative one would silently be greedy too
+        check_at_least("rollout", {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens},
+                       {"temperature": (0.0, "0 = greedy"), "max_new_tokens": (1, "")})
+
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -234,6 +248,12 @@ class OptimConfig:
     grad_clip: float = 1.0
     micro_batch: int = 0  # sequences per forward/backward; 0 = the whole step at once
 
+    def __post_init__(self):
+        if not 0.0 <= self.lr < float("inf"):  # NaN, inf or a negative rate would train to non-finite or away
+            raise ConfigError(f"params key 'optim.lr': expected a finite learning rate >= 0, got {self.lr!r}")
+        check_at_least("optim", {"min_lr": self.min_lr, "warmup_steps": self.warmup_steps},
+                       {"min_lr": (0.0, ""), "warmup_steps": (0, "")})
+
 
 @dataclass(frozen=True)
 class LoraConfig:
@@ -257,6 +277,12 @@ class BudgetConfig:
     # over that rate, times save_estimate_factor. 0 = no probe (nothing reserved for them)
     write_probe_mb: int = 64
     save_estimate_factor: float = 2.0
+
+    def __post_init__(self):
+        check_at_least("budget", {"max_steps": self.max_steps, "max_wall_time_s": self.max_wall_time_s,
+                                  "schedule_steps": self.schedule_steps},
+                       {"max_steps": (0, "0 = no step horizon"), "max_wall_time_s": (0.0, "0 = no wall-clock limit"),
+                        "schedule_steps": (0, "0 = budget.max_steps")})
 
 
 @dataclass(frozen=True)
@@ -295,6 +321,11 @@ class EvalConfig:
     prompt_format: str = ""  # "" = data.prompt_format; else one of its choices (the benchmark's prompt)
     # the chat template's enable_thinking for the benchmark's prompts (the released OPSD evaluator's default: true)
     enable_thinking: bool = True
+
+    def __post_init__(self):
+        check_at_least("eval", {"temperature": self.temperature, "n_samples": self.n_samples,
+                                "max_new_tokens": self.max_new_tokens},
+                       {"temperature": (0.0, "0 = greedy"), "n_samples": (1, ""), "max_new_tokens": (1, "")})
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,27 @@ def test_bad_overrides_name_the_key(override, needle):
         config_from_dict({}, [override])
 
 
+@pytest.mark.parametrize("override, needle", [
+    ("rollout.temperature=-1", r"'rollout\.temperature': expected >= 0 \(0 = greedy\), got -1\.0"),
+    ("eval.temperature=-0.5", r"'eval\.temperature': expected >= 0"),
+    ("rollout.max_new_tokens=0", r"'rollout\.max_new_tokens': expected >= 1"),
+    ("eval.n_samples=0", r"'eval\.n_samples': expected >= 1"),
+    ("optim.lr=-1e-4", r"'optim\.lr': expected a finite learning rate >= 0"),
+    ("optim.lr=nan", r"'optim\.lr': expected a finite"),
+    ("optim.lr=.inf", r"'optim\.lr': expected a finite"),
+    ("budget.max_steps=-3", r"'budget\.max_steps': expected >= 0 \(0 = no step horizon\)"),
+    ("budget.max_wall_time_s=-1", r"'budget\.max_wall_time_s': expected >= 0"),
+])
+def test_out_of_range_values_name_the_key_and_the_range(override, needle):
+    """A value of the right type but outside its range is refused with the params, not run: a negative
+    temperature sampled greedily without a word, a NaN or negative learning rate trained to non-finite
+    weights or away from the teacher, a negative step budget meant "no horizon"."""
+    with pytest.raises(ConfigError, match=needle):
+        config_from_dict({}, [override])
+    key = override.split("=")[0]
+    config_from_dict({}, [f"{key}=0" if "temperature" in key or "budget" in key else f"{key}=1"])  # the edge is fine
+
+
 def test_unknown_key_in_file(tmp_path):
     p = tmp_path / "params.yaml"
     p.write_text("loss:\n  name: k1\n  bogus: 2\n")
