@@ -220,6 +220,9 @@ def normalize_row(row: dict, index: int, path: str, teacher_column: str = "") ->
         prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
     elif not isinstance(prompt, str):
         raise DataError(f"{where}: 'prompt' must be text or a list of chat messages, got {type(prompt).__name__}")
+    if not (prompt.strip() if isinstance(prompt, str) else any(m["content"].strip() for m in prompt)):
+        raise DataError(f"{where} (id {rid}): 'prompt' is empty (the student would be asked nothing); give the row "
+                        "its problem, or drop the row")
     answer = _answer_text(row.get("answer"), where)
     rm = row.get("reward_model")
     if answer is None and isinstance(rm, dict):

@@ -249,6 +249,13 @@ def test_bad_rows_name_the_file_and_row(tmp_path):
     assert load_examples(tmp_path / "rows.json", _data())[0].answer == "2"
     (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "Compute 1+1.", "answer": 2.0}) + "\n\n")
     assert load_examples(tmp_path / "rows.jsonl", _data())[0].answer == "2"
+    rows = [{"id": "a", "prompt": "Compute 1+1.", "answer": "2"}, {"id": "b", "prompt": " \n", "answer": "3"}]
+    (tmp_path / "blank.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"blank.jsonl, row 1 \(id b\): 'prompt' is empty"):
+        load_examples(tmp_path / "blank.jsonl", _data())
+    chat = _write([{"prompt": [{"role": "user", "content": ""}], "answer": "2"}], tmp_path / "blank_chat.parquet")
+    with pytest.raises(DataError, match=r"blank_chat.parquet, row 0 \(id 0\): 'prompt' is empty"):
+        load_examples(chat, _data())
     (tmp_path / "weird.jsonl").write_text(json.dumps({"query": "?"}) + "\n")
     with pytest.raises(DataError, match="expected a 'prompt' column"):
         load_examples(tmp_path / "weird.jsonl", _data())
