@@ -115,11 +115,13 @@ def cmd_eval(args) -> int:
     from opdkit import paths
     from opdkit.data import load_eval_examples
     from opdkit.evaluate import evaluate, protocol_record, write_eval
-    from opdkit.models import compute_dtype, load_model, load_tokenizer, pick_device, setup_torch
+    from opdkit.models import check_model_dir, compute_dtype, load_model, pick_device, setup_torch
+    from opdkit.pairs import tokenizer_of
 
     setup_torch(cfg.runtime)
     data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
     examples = load_eval_examples(data_paths)
+    tok, _ = tokenizer_of(check_model_dir(args.model), "model")  # a bad directory: one line, before the GPU and weights
     with _device_lock(cfg, shared=False):  # no training may hold the GPU while this evaluates
         if _on_gpu(cfg):  # nor any other compute process (a run still saving, a server): asked before ours exists
             from opdkit.gpu_procs import check_gpu_free
@@ -127,7 +129,6 @@ def cmd_eval(args) -> int:
             check_gpu_free()
         device = pick_device(cfg.runtime)
         model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
-        tok = load_tokenizer(args.model)
         summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet)
     summary.update(model=str(args.model),
                    data=str(data_paths[0]) if len(data_paths) == 1 else [str(d) for d in data_paths],
@@ -325,6 +326,33 @@ def cmd_report(args) -> int:
     return 0
 
 
+REPEATS_TABLE_N = (2, 3, 4, 5, 6, 8, 10, 15, 20, 30, 50)  # the seeds per arm ``opdkit repeats`` tabulates
+
+
+def cmd_repeats(args) -> int:
+    """Seeds per arm to plan: for a seed spread ``--sd``, the repeats that find ``--effect`` and the difference each
+    count in REPEATS_TABLE_N (and ``--n``) finds, at ``--power`` and a two-sided ``--alpha`` (``opdkit.stats``)."""
+    from opdkit.stats import detectable_effect, repeats_needed
+
+    kw = dict(power=args.power, alpha=args.alpha, paired=args.paired)
+    bad = [f"{name} {value} (expected {want})" for name, value, want, ok in (
+        ("--sd", args.sd, "> 0: one run's spread over seeds, or one per-seed difference's with --paired", args.sd > 0),
+        ("--power", args.power, "between 0 and 1", 0 < args.power < 1),
+        ("--alpha", args.alpha, "between 0 and 1", 0 < args.alpha < 1),
+        ("--n", args.n, ">= 2 seeds per arm", args.n is None or args.n >= 2)) if not ok]
+    if bad:
+        print(f"opdkit: error: repeats: {'; '.join(bad)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    counts = sorted({*REPEATS_TABLE_N, *([args.n] if args.n else [])})
+    out = {"sd": args.sd, "power": args.power, "alpha": args.alpha, "paired": args.paired,
+           "detectable": {str(n): detectable_effect(args.sd, n, **kw) for n in counts}}
+    if args.effect is not None:
+        out["effect"] = args.effect
+        out["repeats_per_arm"] = repeats_needed(args.effect, args.sd, **kw)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="opdkit", description="On-policy distillation research kit")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -419,6 +447,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a params key, e.g. -S pipeline.seeds=[0,1]; repeatable")
     p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("repeats", help="seeds per arm to plan: what a number of repeats can find (t-test power)")
+    p.add_argument("--sd", type=float, required=True,
+                   help="one run's spread over seeds (e.g. 0.015: 1.5 points of accuracy), in the effect's units")
+    p.add_argument("--effect", type=float, default=None, help="the difference to find: prints the seeds per arm")
+    p.add_argument("--n", type=int, default=None, help="a seed count to add to the table of detectable differences")
+    p.add_argument("--paired", action="store_true",
+                   help="arms paired by seed: --sd is then the spread of one per-seed difference")
+    p.add_argument("--power", type=float, default=0.8)
+    p.add_argument("--alpha", type=float, default=0.05, help="the two-sided level")
+    p.set_defaults(fn=cmd_repeats)
     return ap
 
 

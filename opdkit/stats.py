@@ -1,4 +1,4 @@
-"""Statistics for evals and runs: clustered accuracy, seed repeats, arm comparisons, binning.
+"""Statistics for evals and runs: clustered accuracy, seed repeats, arm comparisons, repeats to plan, binning.
 
 Pure functions over plain lists / numpy arrays. Axis names (docs/design.md, "Style"): ``P`` questions
 (prompts), ``G`` samples per question (may differ per question: ``G_p``), ``R`` runs (seeds).
@@ -20,6 +20,10 @@ p-values are two-sided, from scipy's Student t distribution (Welch-Satterthwaite
 freedom for unpaired arms, P - 1 for paired questions): the same numbers as
 ``scipy.stats.ttest_ind(equal_var=False)`` and ``scipy.stats.ttest_rel``. Results carry
 ``p_method: "t"``.
+
+Planning repeats (``t_test_power``, ``repeats_needed``, ``detectable_effect``): the power of the
+two-sided t-test from the noncentral t distribution, as G*Power and ``statsmodels.stats.power``
+compute it: how many seeds per arm find a difference, and what difference a number of seeds finds.
 """
 
 from __future__ import annotations
@@ -173,6 +177,57 @@ def paired_question_diff(correct_a: CorrectTable, correct_b: CorrectTable) -> di
     p, method = _two_sided_p(t, P - 1)
     return {"diff": diff, "se": se, "diff_in_se": t, "p_value": p, "p_method": method,
             "n_questions": P, "se_unpaired": float(math.sqrt(se_a**2 + se_b**2))}
+
+
+def t_test_power(effect: float, sd: float, n: int, *, paired: bool = False, alpha: float = 0.05) -> float:
+    """Power of the two-sided t-test at level ``alpha`` to find a true difference ``effect`` between two arms of
+    ``n`` repeats each. Unpaired: Student's two-sample test (df = 2n - 2), ``sd`` each run's spread in either arm
+    (the arms equally spread); ``paired``: the one-sample test of the n per-seed differences (df = n - 1), ``sd``
+    the spread of one difference. From the noncentral t distribution (noncentrality effect / (sd sqrt(2/n)), or
+    sqrt(1/n) paired), as G*Power and ``statsmodels.stats.power`` compute it. The reports test with Welch's
+    unequal-variance t (``compare_arms``); with equal sizes and spreads the two agree, so this is the planning
+    figure for them."""
+    if n < 2 or not sd > 0 or not 0 < alpha < 1:
+        raise ValueError(f"t_test_power: n >= 2, sd > 0 and 0 < alpha < 1 expected, got n={n}, sd={sd}, "
+                         f"alpha={alpha}")
+    from scipy.stats import nct, t as student_t
+
+    df = n - 1 if paired else 2 * n - 2
+    ncp = abs(effect) / (sd * math.sqrt((1 if paired else 2) / n))  # the power is the same either way round
+    crit = student_t.ppf(1 - alpha / 2, df)
+    far = nct.cdf(-crit, df, ncp)  # rejected on the other side: scipy 1.17 gives NaN for it only from ncp ~7.5 on,
+    # where it is below 1e-14 (df 1 to 1e5, ncp 0 to 60 scanned at 0.01 on 2026-12-04)
+    return float(nct.sf(crit, df, ncp) + (far if math.isfinite(far) else 0.0))
+
+
+def repeats_needed(effect: float, sd: float, *, power: float = 0.8, alpha: float = 0.05, paired: bool = False,
+                   most: int = 100_000) -> int:
+    """The fewest repeats per arm (>= 2) at which ``t_test_power`` of ``effect`` reaches ``power``; ``most`` + 1
+    when even ``most`` do not (an effect of 0, or one far below the spread)."""
+    if not 0 < power < 1:
+        raise ValueError(f"repeats_needed: 0 < power < 1 expected, got {power}")
+    if effect == 0 or t_test_power(effect, sd, most, paired=paired, alpha=alpha) < power:
+        return most + 1
+    lo, hi = 1, 2  # power rises with n: the first n that reaches it, by doubling then bisection
+    while t_test_power(effect, sd, hi, paired=paired, alpha=alpha) < power:
+        lo, hi = hi, min(2 * hi, most)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if t_test_power(effect, sd, mid, paired=paired, alpha=alpha) >= power else (mid, hi)
+    return hi
+
+
+def detectable_effect(sd: float, n: int, *, power: float = 0.8, alpha: float = 0.05, paired: bool = False) -> float:
+    """The smallest true difference that ``n`` repeats per arm find with probability ``power``
+    (``t_test_power`` = ``power``), in the units of ``sd``."""
+    if not 0 < power < 1:
+        raise ValueError(f"detectable_effect: 0 < power < 1 expected, got {power}")
+    from scipy.optimize import brentq
+
+    hi = sd
+    while t_test_power(hi, sd, n, paired=paired, alpha=alpha) < power:
+        hi *= 2
+    return float(brentq(lambda e: t_test_power(e, sd, n, paired=paired, alpha=alpha) - power, 0.0, hi, xtol=1e-10))
 
 
 def kl_bin_means(values: Sequence[float], keys: Sequence[float],

@@ -89,6 +89,45 @@ def test_welch_and_seed_paired_p_values_match_scipy(evals):
     assert c["paired"]["se"] == pytest.approx(d.std(ddof=1) / math.sqrt(3))
 
 
+def test_each_comparison_says_what_its_seeds_can_find(evals):
+    """planning: the smallest difference the seeds find with 80% power (two-sided 0.05) and the seeds per arm the
+    observed difference would need, from the arms' pooled seed sd (unpaired) and the per-seed differences' sd
+    (paired), as stats.detectable_effect / repeats_needed give them; the table says it in a line."""
+    from opdkit.stats import detectable_effect, repeats_needed
+
+    r = report([evals / "jsd", evals / "rkl"], baseline="rkl")
+    c = r["comparisons"]["jsd"]
+    p = c["planning"]
+    sd = math.sqrt((np.var(ACC["jsd"], ddof=1) + np.var(ACC["rkl"], ddof=1)) / 2)
+    assert (p["power"], p["alpha"], p["n"]) == (0.8, 0.05, 3) and p["sd"] == pytest.approx(sd)
+    assert p["detectable_diff"] == pytest.approx(detectable_effect(sd, 3))
+    assert p["repeats_for_diff"] == repeats_needed(abs(c["diff"]), sd) == 3  # 2.9 sd apart: 3 seeds suffice
+    sd_d = np.subtract(ACC["jsd"], ACC["rkl"]).std(ddof=1)
+    assert p["paired"]["sd"] == pytest.approx(sd_d)
+    assert p["paired"]["detectable_diff"] == pytest.approx(detectable_effect(sd_d, 3, paired=True))
+    line = next(ln for ln in format_report(r).splitlines() if ln.startswith("jsd: 3 seeds per arm"))
+    assert f"{p['detectable_diff']:.4f} with probability 80%" in line and "would need 3 seeds per arm" in line
+    same = {"rkl": [0.5, 0.5], "jsd": [0.6, 0.6]}  # no spread: nothing to plan from
+    flat = report([write_eval(evals.parent / "flat" / f"{a}{i}.json", a, i, v)
+                   for a, vals in same.items() for i, v in enumerate(vals)], baseline="rkl")
+    assert flat["comparisons"]["jsd"]["planning"]["detectable_diff"] is None
+    assert not any(ln.startswith("jsd:") for ln in format_report(flat).splitlines())
+
+
+def test_opdkit_repeats_plans_seeds_and_refuses_bad_values(capsys):
+    """`opdkit repeats`: S1's lesson in numbers (1.5 points of seed noise; a 1-point effect): 37 seeds per arm for 80%
+    power unpaired (Cohen's d = 2/3: REPEATS_80 of test_stats.py), and 5 seeds find 3.04 points."""
+    assert main(["repeats", "--sd", "0.015", "--effect", "0.01", "--n", "7"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["repeats_per_arm"] == 37 and out["paired"] is False
+    assert out["detectable"]["5"] == pytest.approx(0.015 * 2.024440, abs=1e-7) and "7" in out["detectable"]
+    assert main(["repeats", "--sd", "0.015", "--effect", "0.01", "--paired"]) == 0
+    assert json.loads(capsys.readouterr().out)["repeats_per_arm"] == 20
+    assert main(["repeats", "--sd", "-1", "--alpha", "0", "--n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opdkit: error: repeats: --sd -1.0 (expected > 0") and "--alpha 0.0" in err and "--n 1" in err
+
+
 def test_paired_comparison_uses_only_the_seeds_both_arms_ran(tmp_path):
     for seed, a in enumerate([0.5, 0.52, 0.49]):
         write_eval(tmp_path / f"b{seed}.json", "rkl", seed, a)

@@ -10,10 +10,13 @@ from scipy import stats as scipy_stats
 from opdkit.stats import (
     clustered_accuracy,
     compare_arms,
+    detectable_effect,
     kl_bin_means,
     paired_question_diff,
     repeat_stats,
+    repeats_needed,
     summarize_runs,
+    t_test_power,
 )
 
 
@@ -223,3 +226,59 @@ def test_summarize_runs():
         summarize_runs([{"arm": "a", "seed": 0, "accuracy": 0.5}])
     with pytest.raises(ValueError, match="repeats arm='opd' seed=0"):
         summarize_runs(records + [records[0]])
+
+
+# Repeats per arm for 80% power at a two-sided 0.05, by Cohen's d (effect / sd): Cohen (1988), Table 2.4.1, and
+# G*Power; the same from statsmodels 0.15.0 (TTestIndPower / TTestPower .solve_power, rounded up): unpaired 393.4,
+# 63.8, 36.3, 25.5, 16.7; paired (one-sample on the differences) 198.2, 33.4, 19.7, 14.3, 9.9.
+REPEATS_80 = {0.2: (394, 199), 0.5: (64, 34), 2 / 3: (37, 20), 0.8: (26, 15), 1.0: (17, 10)}
+# the smallest d found with 80% power at n per arm (statsmodels 0.15.0 solve_power(nobs1=n) / (nobs=n))
+DETECTABLE_80 = {3: (3.070892, 3.264044), 4: (2.380754, 2.127949), 5: (2.024440, 1.681997), 8: (1.506634, 1.156035)}
+
+
+@pytest.mark.parametrize("d", sorted(REPEATS_80))
+def test_repeats_needed_matches_the_power_tables(d):
+    unpaired, paired = REPEATS_80[d]
+    for sd in (1.0, 1.5, 0.01):  # only d = effect / sd matters
+        assert repeats_needed(d * sd, sd) == unpaired
+        assert repeats_needed(d * sd, sd, paired=True) == paired
+    # the count is the first that reaches the power: one fewer falls short
+    assert t_test_power(d, 1.0, unpaired) >= 0.8 > t_test_power(d, 1.0, unpaired - 1)
+
+
+@pytest.mark.parametrize("n", sorted(DETECTABLE_80))
+def test_detectable_effect_matches_statsmodels_and_inverts_the_power(n):
+    unpaired, paired = DETECTABLE_80[n]
+    assert detectable_effect(1.0, n) == pytest.approx(unpaired, abs=2e-6)
+    assert detectable_effect(1.0, n, paired=True) == pytest.approx(paired, abs=2e-6)
+    assert detectable_effect(1.5, n) == pytest.approx(1.5 * unpaired, abs=3e-6)
+    assert t_test_power(detectable_effect(1.0, n), 1.0, n) == pytest.approx(0.8, abs=1e-8)
+
+
+def test_t_test_power_is_the_rejection_rate_of_scipys_t_tests():
+    """Monte Carlo: normal repeats with a true difference, tested by scipy.stats.ttest_ind / ttest_1samp; the share
+    rejected at 0.05 against t_test_power (20,000 experiments: binomial sd of the share <= 0.0036)."""
+    rng = np.random.default_rng(0)
+    reps, n, sd, effect = 20_000, 5, 1.5, 2.5
+    a = rng.normal(effect, sd, (reps, n))
+    b = rng.normal(0.0, sd, (reps, n))
+    rate = float((scipy_stats.ttest_ind(a, b, axis=1).pvalue < 0.05).mean())
+    assert rate == pytest.approx(t_test_power(effect, sd, n), abs=0.015)
+    diffs = rng.normal(1.0, sd, (reps, n))
+    rate = float((scipy_stats.ttest_1samp(diffs, 0.0, axis=1).pvalue < 0.05).mean())
+    assert rate == pytest.approx(t_test_power(1.0, sd, n, paired=True), abs=0.015)
+
+
+def test_planning_edge_cases_and_bad_values():
+    assert t_test_power(0.0, 1.0, 10) == pytest.approx(0.05)  # no difference: rejected at the level
+    assert repeats_needed(0.0, 1.0) == 100_001  # past `most`: no count finds it
+    assert repeats_needed(0.01, 1.0, most=1000) == 1001
+    assert repeats_needed(-0.5, 1.0) == 64  # the sign does not matter
+    # two seeds paired (df 1), 8 sd apart: scipy's far tail is NaN there; the power is the near tail's
+    assert t_test_power(8.0, 1.0, 2, paired=True) == pytest.approx(0.6252781277, abs=1e-9)
+    for bad in (dict(n=1), dict(sd=0.0), dict(alpha=1.0)):
+        kw = {"effect": 1.0, "sd": 1.0, "n": 5, **bad}
+        with pytest.raises(ValueError, match="t_test_power: n >= 2, sd > 0"):
+            t_test_power(**kw)
+    with pytest.raises(ValueError, match="0 < power < 1"):
+        repeats_needed(1.0, 1.0, power=1.0)

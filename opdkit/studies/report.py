@@ -39,7 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from opdkit.config import Config, ConfigError
-from opdkit.stats import compare_arms, paired_question_diff, repeat_stats, summarize_runs
+from opdkit.stats import (
+    compare_arms,
+    detectable_effect,
+    paired_question_diff,
+    repeat_stats,
+    repeats_needed,
+    summarize_runs,
+)
 
 RUN_FIELDS = ("accuracy", "stderr", "n_questions", "n_samples", "truncated_frac", "mean_response_tokens")
 TAG_FIELDS = ("step", "match")  # the pipeline's tags of an arm's run, kept per group
@@ -195,6 +202,32 @@ def paired_seed_diff(arm: dict, baseline: dict) -> dict:
             "p_value": r["p_value"], "p_method": r["p_method"], "n": len(common), "seeds": common}
 
 
+PLAN_POWER, PLAN_ALPHA = 0.8, 0.05  # the power and level ``planning`` plans for
+
+
+def planning(welch: dict, paired: dict | None) -> dict:
+    """What the seeds of a comparison can find, at ``PLAN_POWER`` and a two-sided ``PLAN_ALPHA``
+    (``stats.detectable_effect``, ``stats.repeats_needed``): ``sd`` the two arms' seed spread pooled
+    (sqrt of the mean of their variances), ``n`` the smaller arm's seeds, ``detectable_diff`` the smallest
+    difference those seeds find with that probability, ``repeats_for_diff`` the seeds per arm the observed
+    difference would need (null for a difference of 0; a count past ``stats.repeats_needed``'s ``most``
+    means practically none). ``paired`` (with a seed-paired comparison ``paired``): the same for the
+    per-seed differences, ``sd`` their spread. Null figures where a spread is 0 or undefined."""
+    def figures(sd: float, n: int, diff: float, is_paired: bool) -> dict:
+        ok = math.isfinite(sd) and sd > 0 and n >= 2
+        kw = dict(power=PLAN_POWER, alpha=PLAN_ALPHA, paired=is_paired)
+        return {"sd": sd if math.isfinite(sd) else None, "n": n,
+                "detectable_diff": detectable_effect(sd, n, **kw) if ok else None,
+                "repeats_for_diff": repeats_needed(abs(diff), sd, **kw) if ok and diff != 0 else None}
+
+    a, b = welch["arm"], welch["baseline"]
+    out = {"power": PLAN_POWER, "alpha": PLAN_ALPHA,
+           **figures(math.sqrt((a["sd"] ** 2 + b["sd"] ** 2) / 2), min(a["n"], b["n"]), welch["diff"], False)}
+    out["paired"] = (figures(paired["se"] * math.sqrt(paired["n"]), paired["n"], paired["diff"], True)
+                     if paired is not None else None)
+    return out
+
+
 def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm") -> dict:
     """Repeat-run statistics over eval JSONs (files or directories of them), grouped by
     ``group_key``; ``baseline`` names the group the others are compared with (None: no
@@ -231,6 +264,7 @@ def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm
                 "p_value": c["p_value"], "p_method": c["p_method"],
                 "diff_in_baseline_se": c["diff"] / se_base if se_base > 0 else float("nan"),
                 "paired": paired, "match": groups[name]["match"], "steps": groups[name]["steps"],
+                "planning": planning(c, paired),
             }
     return _finite({"group_key": group_key, "baseline": baseline, "runs": runs, "groups": groups,
                     "comparisons": comparisons, "not_compared": skipped, "wall_mismatch": wall_mismatch})
@@ -276,8 +310,26 @@ def format_report(result: dict) -> str:
     lines.append(f"(diff = arm - {result['baseline']}; SE columns: diff / its standard error; train_s: training "
                  "seconds to the evaluated checkpoint on the machine that ran it; mean eval stderr per group in the "
                  "JSON)")
+    lines += [line for name, c in result["comparisons"].items() if (line := _planning_line(name, c))]
     lines += [f"WARNING: {msg}" for msg in result.get("wall_mismatch", {}).values()]
     return "\n".join(lines)
+
+
+def _planning_line(name, comparison: dict) -> str:
+    """One line of what a comparison's seeds can find (its ``planning``; '' where it has none)."""
+    p = comparison.get("planning") or {}
+    if p.get("detectable_diff") is None:
+        return ""
+    need = p["repeats_for_diff"]
+    line = (f"{name}: {p['n']} seeds per arm find a difference of {p['detectable_diff']:.4f} with probability "
+            f"{p['power']:.0%} (two-sided {p['alpha']}; seed sd {p['sd']:.4f})")
+    if need is not None:
+        line += f"; the observed {comparison['diff']:+.4f} would need {need} seeds per arm"
+    pp = p.get("paired") or {}
+    if pp.get("detectable_diff") is not None:
+        line += f"; paired by seed {pp['detectable_diff']:.4f}" + (
+            f", {pp['repeats_for_diff']} seeds" if pp["repeats_for_diff"] is not None else "")
+    return line
 
 
 def learning_curves(curve_files: list[str | Path], before: str | Path | None = None) -> dict:
