@@ -40,6 +40,15 @@ def check_model_dir(path: str | Path, what: str = "model", weights: bool = True)
     for f in ("model.safetensors", "pytorch_model.bin"):
         if (p / f).is_file() and (p / f).stat().st_size == 0:
             raise ModelError(f"{what} directory {p}: {f} is empty")
+    if weights and any((p / f).is_file() for f in WEIGHT_FILES[:2]):  # pruned or truncated weights look complete
+        from opdkit.persist.checkpoints import InvalidCheckpoint, check_weight_files
+
+        try:
+            check_weight_files(p)
+        except (InvalidCheckpoint, OSError) as e:
+            reason = e.reason if isinstance(e, InvalidCheckpoint) else f"cannot be read ({e})"
+            raise ModelError(f"{what} directory {p}: its weights are damaged: {reason}; copy or export the model "
+                             f"again (opdkit validate {p} checks a directory)") from None
     return p
 
 
@@ -87,6 +96,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torc
     Trainable models are kept in fp32 (master weights; bf16 compute comes from autocast), frozen
     ones (teacher) in ``dtype``.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     p = check_model_dir(path, what)
@@ -94,7 +104,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torc
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=load_dtype,
                                                      device_map=None if device.type == "cpu" else {"": device})
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ModelError(f"{what} directory {p} could not be loaded: {e}") from None
     model.to(device)
     if not trainable:

@@ -235,8 +235,9 @@ def training_data(cfg: Config, path: Path, tokenizer=None):
 def tokenizer_of(path: Path, what: str):
     try:
         return load_tokenizer(path), []
-    except (OSError, ValueError) as e:
-        raise PairError(f"{what} directory {path}: its tokenizer cannot be loaded ({type(e).__name__}: {e})",
+    except (OSError, ValueError) as e:  # transformers' reasons span lines; the error is one
+        raise PairError(f"{what} directory {path}: its tokenizer cannot be loaded ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())})",
                         "expected an HF tokenizer there (tokenizer.json + tokenizer_config.json)") from None
 
 

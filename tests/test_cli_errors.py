@@ -7,6 +7,7 @@ non-zero exit naming the surviving checkpoints when they persist; ``validate`` r
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -42,26 +43,37 @@ def bad(tmp_path_factory) -> Path:
     (d / "garbage.parquet").write_bytes(b"this is not parquet\n")
     (d / "no_prompt.jsonl").write_text(json.dumps({"query": "1+1", "answer": "2"}) + "\n")
     (d / "empty.jsonl").write_text("")
+    rows = [{"prompt": "Compute 1+1.", "answer": "2"}, {"prompt": "", "answer": "3"}]
+    (d / "empty_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("truncated", "no_tokenizer"):
+        shutil.copytree(asset("student"), d / name)
+    weights = (d / "truncated" / "model.safetensors").read_bytes()
+    (d / "truncated" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # pruned: its header intact
+    for f in (d / "no_tokenizer").glob("tokenizer*"):
+        f.unlink()
     return d
 
 
 # (env, trailing args, what the one line must name)
 BAD_INPUTS = {
     "model dir without weights": ({"STUDENT_MODEL": "{bad}/no_weights"}, [], "has no weights"),
+    "truncated weights": ({"TEACHER_MODEL": "{bad}/truncated"}, [], "its weights are damaged: model.safetensors is "),
     "missing model path": ({"TEACHER_MODEL": "{bad}/nowhere"}, [], "does not exist"),
     "missing data path": ({"TRAIN_DATA": "{bad}/nowhere.parquet"}, [], "does not exist"),
     "data not parquet/jsonl": ({"TRAIN_DATA": "{bad}/table.csv"}, [], "table.csv: expected a .parquet"),
     "corrupt parquet": ({"TRAIN_DATA": "{bad}/garbage.parquet"}, [], "not a readable parquet"),
     "jsonl without needed columns": ({"TRAIN_DATA": "{bad}/no_prompt.jsonl"}, [], "expected a 'prompt' column"),
     "data with no rows": ({"TRAIN_DATA": "{bad}/empty.jsonl"}, [], "has no rows"),
+    "a row with an empty prompt": ({"TRAIN_DATA": "{bad}/empty_prompt.jsonl"}, [], "row 1 (id 1): 'prompt' is empty"),
     "unknown override key": ({}, ["budget.max_stepz=3"], "unknown params key 'budget.max_stepz'"),
     "override of the wrong type": ({}, ["budget.max_steps=many"], "'budget.max_steps': expected int"),
+    "override out of range": ({}, ["rollout.temperature=-1"], "'rollout.temperature': expected >= 0"),
     "env of the wrong type": ({"MAX_WALL_TIME_SECONDS": "soon"}, [], "'budget.max_wall_time_s': expected float"),
     "missing params file": ({"PARAMS": "{bad}/nowhere.yaml"}, [], "does not exist"),
 }
 
 
-EXISTING_DIR_CASES = ("model dir without weights", "corrupt parquet", "unknown override key")
+EXISTING_DIR_CASES = ("model dir without weights", "truncated weights", "corrupt parquet", "unknown override key")
 CASES = [(case, False) for case in BAD_INPUTS] + [(case, True) for case in EXISTING_DIR_CASES]
 
 
@@ -102,6 +114,23 @@ def test_bad_input_fails_with_one_line_and_leaves_output_dir_as_it_was(bad_input
     assert "resolved config" not in proc.stdout  # nothing started
     assert after == before  # absent stays absent; existing is unchanged, byte for byte and mtime
     assert (before is None) != existing
+
+
+@pytest.mark.parametrize("model, needle", [("truncated", "its weights are damaged: model.safetensors is "),
+                                           ("no_tokenizer", "its tokenizer cannot be loaded")])
+def test_eval_refuses_a_damaged_model_directory_in_one_line(bad, tmp_path, capsys, model, needle):
+    """``opdkit eval`` gave a raw traceback (exit 1) for these, after loading the weights; now one line, exit 2,
+    nothing written."""
+    from opdkit.cli import main
+
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--model", str(bad / model), "--out", str(out), "-p", "none", "--quiet",
+               "-S", "eval.max_questions=2"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("Loading weights")]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"opdkit: error: model directory {bad / model}: "), err
+    assert needle in lines[0] and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.iterdir())
 
 
 def test_bad_nproc_is_refused_by_run_sh(tmp_path):

@@ -187,6 +187,15 @@ def is_valid_checkpoint(path, *, full: bool = True) -> tuple[bool, str]:
     return True, "ok"
 
 
+def check_weight_files(path) -> None:
+    """Raise ``InvalidCheckpoint`` unless the safetensors weights of model directory ``path`` (one file, or
+    an index and every shard it names) have intact headers and are exactly as long as those say. Headers
+    only, so cheap at any size: what a model directory from elsewhere (a student or teacher) gets before
+    it is trusted, where ``validate_checkpoint`` would also want opdkit's manifest and tokenizer files."""
+    path = Path(path)
+    _read_weight_shapes(path, lambda reason: InvalidCheckpoint(path, reason))
+
+
 def _validate_structure(path: Path, check_hashes: bool) -> None:
     def bad(reason: str) -> InvalidCheckpoint:
         return InvalidCheckpoint(path, reason)
