@@ -154,6 +154,28 @@ def test_resuming_with_other_params_or_into_foreign_checkpoints_is_refused_untou
     assert snapshot(foreign) == before
 
 
+def test_checkpoints_beside_a_damaged_run_json_are_refused_naming_run_json_and_the_way_back(tmp_path, uninterrupted):
+    """Without a trainer state, run.json's run_id is what tells this run's checkpoints from another's. A damaged
+    run.json was reported as foreign checkpoints ("remove the old checkpoints"); the error now names run.json and
+    the run_id to write back, nothing is changed, and with it written back the run continues."""
+    src, _ = uninterrupted
+    out = tmp_path / "out"
+    shutil.copytree(src / "checkpoints", out / "checkpoints")
+    (out / "run.json").write_text('{"status": "compl')  # cut short by something outside opdkit
+    rid = json.loads((src / "run.json").read_text())["run_id"]
+    before = snapshot(out)
+    with pytest.raises(RunError) as e:
+        train(cfg("budget.max_steps=4"), out, log=lambda s: None, progress=False)
+    assert f"{out / 'run.json'} cannot be read (JSONDecodeError" in str(e.value)
+    assert f'write {{"run_id": "{rid}"}} into {out / "run.json"}' in str(e.value)
+    assert "remove the old checkpoints" not in str(e.value) and snapshot(out) == before
+    (out / "run.json").write_text(json.dumps({"run_id": rid}))
+    result, logs = quiet_train(cfg("budget.max_steps=4", "publish.every_steps=2"), out)
+    assert "checkpoint-4 is newer than the trainer state" in logs and "published " not in logs  # replayed, kept
+    assert (result.step, result.final_checkpoint) == (4, "checkpoint-4")
+    assert_same_weights(out / "checkpoints" / "checkpoint-4", src / "checkpoints" / "checkpoint-4")
+
+
 def test_a_wall_budget_spent_before_the_first_step_still_publishes_and_ends_cleanly(tmp_path):
     out = tmp_path / "out"
     c = cfg("budget.max_wall_time_s=1.0", "budget.deadline_reserve_s=0.999", "optim.schedule=constant")

@@ -102,6 +102,19 @@ def _run_json(out: Path) -> dict:
     return got if isinstance(got, dict) else {}
 
 
+def run_json_damage(out: Path) -> str | None:
+    """What is wrong with ``out``'s run.json (None: absent, or a JSON object). It is written atomically, so
+    a damaged one was changed from outside."""
+    f = out / RUN_FILE
+    if not f.exists():
+        return None
+    try:
+        got = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        return f"cannot be read ({type(e).__name__}: {e})"
+    return None if isinstance(got, dict) else f"is not a JSON object (it holds a {type(got).__name__})"
+
+
 def ended_on_the_wall_clock(run_json: dict, state: dict | None, step: int, cfg: Config) -> bool:
     """run.json (``run_json``, read before this start) says the run completed at ``step`` on its wall budget,
     and the trainer state it resumes (``state``) ran under the same budget as ``cfg``: a rerun has nothing to do.
@@ -128,6 +141,12 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
                                       "data_fingerprint": meta.get("data_fingerprint")}, out)
     elif list_checkpoints(out / "checkpoints"):
         names = ", ".join(p.name for p in list_checkpoints(out / "checkpoints"))
+        damage, rid = run_json_damage(out), (newest[1].get("run_id") if newest else None)
+        if damage and rid:  # the run's identity is lost with it: not "someone else's checkpoints"
+            raise RunError(f"{out / RUN_FILE} {damage}, so opdkit cannot tell whether {names} are this run's "
+                           f"(checkpoint-{newest[0]}'s opdkit.json names run_id {rid}, and there is no trainer state "
+                           f"in {trainer_state.directory(out, cfg.runtime.state_dir)}); to continue that run, write "
+                           f'{{"run_id": "{rid}"}} into {out / RUN_FILE}; else choose another output directory')
         raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state "
                        f"({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume them from; choose another "
                        "output directory or remove the old checkpoints")
