@@ -26,11 +26,10 @@ class ConfigError(ValueError):
     """A params file or override that does not fit the schema (the message names the key)."""
 
 
-def check_at_least(section: str, values: dict[str, float], lowest: dict[str, tuple[float, str]]) -> None:
-    """``ConfigError`` naming the first key of ``section`` whose value in ``values`` is below its
-    lowest in ``lowest`` (key -> (the lowest value, what that value means or "")), or NaN."""
-    for key, (low, meaning) in lowest.items():
-        value = values[key]
+def check_at_least(section: str, bounds: dict[str, tuple[float, float, str]]) -> None:
+    """``ConfigError`` naming the first key of ``section`` whose value is below its lowest, or NaN
+    (``bounds``: key -> (its value, the lowest allowed, what that lowest value means or ""))."""
+    for key, (value, low, meaning) in bounds.items():
         if not value >= low:  # NaN fails too
             raise ConfigError(f"params key '{section}.{key}': expected >= {low:g}{meaning and ' (' + meaning + ')'}, "
                               f"got {value!r}")
@@ -178,6 +177,9 @@ class DataConfig:
     pad_side: str = "left"
     teacher_column: str = ""  # with `teachers`: the column naming each row's teacher (one of their names)
 
+    def __post_init__(self):  # a negative max_rows would slice rows off the end
+        check_at_least("data", {"max_rows": (self.max_rows, 0, "0 = all rows")})
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -210,8 +212,11 @@ class RolloutConfig:
     offline_ratio: str = "behaviour"
 
     def __post_init__(self):  # temperature 0 is greedy; a negative one would silently be greedy too
-        check_at_least("rollout", {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens},
-                       {"temperature": (0.0, "0 = greedy"), "max_new_tokens": (1, "")})
+        check_at_least("rollout", {"temperature": (self.temperature, 0.0, "0 = greedy"),
+                                   "max_new_tokens": (self.max_new_tokens, 1, ""),
+                                   "prompts_per_step": (self.prompts_per_step, 1, ""),
+                                   "samples_per_prompt": (self.samples_per_prompt, 1, ""),
+                                   "batch_size": (self.batch_size, 0, "0 = the whole step's at once")})
 
 
 @dataclass(frozen=True)
@@ -235,6 +240,15 @@ class LossConfig:
     reward_baseline: str = "mean"  # mean (GRPO: the group's mean) | loo (leave-one-out: the other G-1 samples' mean)
     reward_norm: str = "none"  # none | std (divided by the group's standard deviation + 1e-6, as GRPO)
 
+    def __post_init__(self):  # refused with the params, not by the loss function inside the first step
+        check_at_least("loss", {"clip_eps": (self.clip_eps, 0.0, ""), "topk": (self.topk, 1, ""),
+                                "clip_tau": (self.clip_tau, 0.0, "")})
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ConfigError(f"params key 'loss.jsd_beta': expected 0 <= beta <= 1 (0 forward KL, 1 reverse KL), "
+                              f"got {self.jsd_beta!r}")
+        if not (self.dual_clip == 0.0 or self.dual_clip > 1.0):
+            raise ConfigError(f"params key 'loss.dual_clip': expected 0 (off) or > 1, got {self.dual_clip!r}")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -251,8 +265,8 @@ class OptimConfig:
     def __post_init__(self):
         if not 0.0 <= self.lr < float("inf"):  # NaN, inf or a negative rate would train to non-finite or away
             raise ConfigError(f"params key 'optim.lr': expected a finite learning rate >= 0, got {self.lr!r}")
-        check_at_least("optim", {"min_lr": self.min_lr, "warmup_steps": self.warmup_steps},
-                       {"min_lr": (0.0, ""), "warmup_steps": (0, "")})
+        check_at_least("optim", {"min_lr": (self.min_lr, 0.0, ""), "warmup_steps": (self.warmup_steps, 0, ""),
+                                 "micro_batch": (self.micro_batch, 0, "0 = the whole step at once")})
 
 
 @dataclass(frozen=True)
@@ -279,10 +293,9 @@ class BudgetConfig:
     save_estimate_factor: float = 2.0
 
     def __post_init__(self):
-        check_at_least("budget", {"max_steps": self.max_steps, "max_wall_time_s": self.max_wall_time_s,
-                                  "schedule_steps": self.schedule_steps},
-                       {"max_steps": (0, "0 = no step horizon"), "max_wall_time_s": (0.0, "0 = no wall-clock limit"),
-                        "schedule_steps": (0, "0 = budget.max_steps")})
+        check_at_least("budget", {"max_steps": (self.max_steps, 0, "0 = no step horizon"),
+                                  "max_wall_time_s": (self.max_wall_time_s, 0.0, "0 = no wall-clock limit"),
+                                  "schedule_steps": (self.schedule_steps, 0, "0 = budget.max_steps")})
 
 
 @dataclass(frozen=True)
@@ -305,6 +318,9 @@ class PublishConfig:
             parse_size(self.max_shard_size, "publish.max_shard_size")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        check_at_least("publish", {"every_steps": (self.every_steps, 0, "0 = at the end only"),
+                                   "state_every_steps": (self.state_every_steps, -1, "-1 = with every export"),
+                                   "retries": (self.retries, 0, ""), "backoff_s": (self.backoff_s, 0.0, "")})
 
 
 @dataclass(frozen=True)
@@ -323,9 +339,9 @@ class EvalConfig:
     enable_thinking: bool = True
 
     def __post_init__(self):
-        check_at_least("eval", {"temperature": self.temperature, "n_samples": self.n_samples,
-                                "max_new_tokens": self.max_new_tokens},
-                       {"temperature": (0.0, "0 = greedy"), "n_samples": (1, ""), "max_new_tokens": (1, "")})
+        check_at_least("eval", {"temperature": (self.temperature, 0.0, "0 = greedy"),
+                                "n_samples": (self.n_samples, 1, ""), "max_new_tokens": (self.max_new_tokens, 1, ""),
+                                "max_questions": (self.max_questions, 0, "0 = every question")})
 
 
 @dataclass(frozen=True)
@@ -375,6 +391,8 @@ class RuntimeConfig:
     collective_timeout_s: float = 300.0
 
     def __post_init__(self):
+        check_at_least("runtime", {"threads": (self.threads, 0, "0 = torch's default"),
+                                   "logprob_chunk": (self.logprob_chunk, 1, "")})
         if self.max_nonfinite_skips < 0:
             raise ConfigError(f"runtime.max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}")
         if self.alignment_every < 0:

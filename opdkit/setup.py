@@ -42,8 +42,6 @@ def check_params(cfg: Config) -> None:
     if b.max_wall_time_s > 0 and b.deadline_reserve_s >= b.max_wall_time_s:
         raise RunError(f"budget.deadline_reserve_s ({b.deadline_reserve_s}) must be below budget.max_wall_time_s "
                        f"({b.max_wall_time_s})")
-    if cfg.rollout.prompts_per_step <= 0 or cfg.rollout.samples_per_prompt <= 0:
-        raise RunError("rollout.prompts_per_step and rollout.samples_per_prompt must be positive")
     if cfg.publish.keep < 1:
         raise RunError("publish.keep must be at least 1")
     if cfg.rollout.overlap not in (0, 1):

@@ -40,25 +40,41 @@ def test_bad_overrides_name_the_key(override, needle):
         config_from_dict({}, [override])
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("rollout.temperature=-1", r"'rollout\.temperature': expected >= 0 \(0 = greedy\), got -1\.0"),
-    ("eval.temperature=-0.5", r"'eval\.temperature': expected >= 0"),
-    ("rollout.max_new_tokens=0", r"'rollout\.max_new_tokens': expected >= 1"),
-    ("eval.n_samples=0", r"'eval\.n_samples': expected >= 1"),
-    ("optim.lr=-1e-4", r"'optim\.lr': expected a finite learning rate >= 0"),
-    ("optim.lr=nan", r"'optim\.lr': expected a finite"),
-    ("optim.lr=.inf", r"'optim\.lr': expected a finite"),
-    ("budget.max_steps=-3", r"'budget\.max_steps': expected >= 0 \(0 = no step horizon\)"),
-    ("budget.max_wall_time_s=-1", r"'budget\.max_wall_time_s': expected >= 0"),
+@pytest.mark.parametrize("override, needle, edge", [
+    ("rollout.temperature=-1", r"'rollout\.temperature': expected >= 0 \(0 = greedy\), got -1\.0",
+     "rollout.temperature=0"),
+    ("eval.temperature=-0.5", r"'eval\.temperature': expected >= 0", "eval.temperature=0"),
+    ("rollout.max_new_tokens=0", r"'rollout\.max_new_tokens': expected >= 1", "rollout.max_new_tokens=1"),
+    ("eval.n_samples=0", r"'eval\.n_samples': expected >= 1", "eval.n_samples=1"),
+    ("optim.lr=-1e-4", r"'optim\.lr': expected a finite learning rate >= 0", "optim.lr=0"),
+    ("optim.lr=nan", r"'optim\.lr': expected a finite", "optim.lr=0"),
+    ("optim.lr=.inf", r"'optim\.lr': expected a finite", "optim.lr=0"),
+    ("budget.max_steps=-3", r"'budget\.max_steps': expected >= 0 \(0 = no step horizon\)", "budget.max_steps=0"),
+    ("budget.max_wall_time_s=-1", r"'budget\.max_wall_time_s': expected >= 0", "budget.max_wall_time_s=0"),
+    ("optim.micro_batch=-1", r"'optim\.micro_batch': expected >= 0 \(0 = the whole step at once\)",
+     "optim.micro_batch=0"),
+    ("data.max_rows=-5", r"'data\.max_rows': expected >= 0 \(0 = all rows\)", "data.max_rows=0"),
+    ("eval.max_questions=-1", r"'eval\.max_questions': expected >= 0", "eval.max_questions=0"),
+    ("rollout.batch_size=-1", r"'rollout\.batch_size': expected >= 0", "rollout.batch_size=0"),
+    ("runtime.logprob_chunk=0", r"'runtime\.logprob_chunk': expected >= 1", "runtime.logprob_chunk=1"),
+    ("loss.topk=0", r"'loss\.topk': expected >= 1", "loss.topk=1"),
+    ("loss.clip_eps=-1", r"'loss\.clip_eps': expected >= 0", "loss.clip_eps=0"),
+    ("loss.clip_tau=-1", r"'loss\.clip_tau': expected >= 0", "loss.clip_tau=0"),
+    ("loss.jsd_beta=2", r"'loss\.jsd_beta': expected 0 <= beta <= 1", "loss.jsd_beta=1"),
+    ("loss.dual_clip=0.5", r"'loss\.dual_clip': expected 0 \(off\) or > 1", "loss.dual_clip=0"),
+    ("publish.every_steps=-1", r"'publish\.every_steps': expected >= 0 \(0 = at the end only\)",
+     "publish.every_steps=0"),
 ])
-def test_out_of_range_values_name_the_key_and_the_range(override, needle):
+def test_out_of_range_values_name_the_key_and_the_range(override, needle, edge):
     """A value of the right type but outside its range is refused with the params, not run: a negative
     temperature sampled greedily without a word, a NaN or negative learning rate trained to non-finite
-    weights or away from the teacher, a negative step budget meant "no horizon"."""
+    weights or away from the teacher, a negative step budget meant "no horizon", optim.micro_batch=-1 trained
+    on no micro-batch at all, data.max_rows=-5 sliced rows off the end, and loss.topk=0, loss.jsd_beta=2 or
+    runtime.logprob_chunk=0 failed inside the first step (a traceback, exit 1) after the run directory was
+    written."""
     with pytest.raises(ConfigError, match=needle):
         config_from_dict({}, [override])
-    key = override.split("=")[0]
-    config_from_dict({}, [f"{key}=0" if "temperature" in key or "budget" in key else f"{key}=1"])  # the edge is fine
+    config_from_dict({}, [edge])  # the edge of the range is fine
 
 
 def test_unknown_key_in_file(tmp_path):
