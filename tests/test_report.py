@@ -287,6 +287,54 @@ def test_training_seconds_come_from_the_checkpoints_and_a_wall_match_off_by_over
     assert re.search(r"^before\s+n/a|^before\s{10,}", table, re.M)
 
 
+def test_each_comparison_lists_what_the_arm_changed_and_flags_runs_not_trained_alike(tmp_path):
+    """changes: the settings (the checkpoints' params, flattened, less seed and run names; with their data
+    fingerprint) an arm was trained with otherwise than the baseline. A warning where an arm's own seeds were
+    trained otherwise than each other, or on other data than the baseline; the code revisions are listed per group,
+    not compared (any commit changes them); evals of models that are no checkpoints of opdkit train have no
+    changes."""
+    from opdkit.persist.checkpoints import MANIFEST
+
+    def params(loss, lr, seed):
+        return {"seed": seed, "experiment_name": f"{loss}{seed}", "loss": {"name": loss, "clip": "none"},
+                "optim": {"lr": lr}, "pipeline": {"seeds": [0, 1]}, "runtime": {"state_dir": f"/s/{loss}{seed}"}}
+
+    runs = {("rkl", 0): (params("rkl", 1e-4, 0), "d1"), ("rkl", 1): (params("rkl", 1e-4, 1), "d1"),
+            ("jsd", 0): (params("jsd", 1e-4, 0), "d1"), ("jsd", 1): (params("jsd", 1e-4, 1), "d1"),
+            ("bundled", 0): (params("jsd", 5e-4, 0), "d1"), ("bundled", 1): (params("jsd", 1e-3, 1), "d2")}
+    paths = []
+    for (arm, seed), (p, data) in runs.items():
+        ck = tmp_path / arm / str(seed)
+        ck.mkdir(parents=True)
+        (ck / MANIFEST).write_text(json.dumps({"params": p, "code_revision": f"rev{seed}", "data_fingerprint": data}))
+        paths.append(write_eval(tmp_path / "eval" / f"{arm}{seed}.json", arm, seed, 0.5 + 0.01 * seed, model=str(ck)))
+    paths += [write_eval(tmp_path / "eval" / f"hub{i}.json", "hub", i, 0.4 + 0.01 * i, model="/nowhere")
+              for i in (0, 1)]
+    r = report(paths, baseline="rkl")
+    c = r["comparisons"]
+    assert c["jsd"]["changes"] == {"loss.name": ["rkl", "jsd"]}  # seed, names and paths are not settings
+    assert c["bundled"]["changes"] == {"loss.name": ["rkl", "jsd"]}  # what its seeds share; the rest is flagged:
+    assert r["confounds"]["bundled"] == "bundled's runs were not trained alike: data_fingerprint 'd1', 'd2'; " \
+                                        "optim.lr 0.0005, 0.001"
+    assert c["hub"]["changes"] is None and set(r["confounds"]) == {"bundled"}
+    assert r["groups"]["jsd"]["code_revisions"] == ["rev0", "rev1"] and r["groups"]["hub"]["code_revisions"] == []
+    table = format_report(r)
+    assert "jsd vs rkl: loss.name 'rkl' -> 'jsd'" in table and "WARNING: bundled's runs were not trained alike" in table
+    again = report([p for p in paths if "bundled" not in str(p) and "hub" not in str(p)], baseline="jsd")
+    assert again["comparisons"]["rkl"]["changes"] == {"loss.name": ["jsd", "rkl"]}
+    for seed in (0, 1):
+        (tmp_path / "jsd" / str(seed) / MANIFEST).write_text(json.dumps(
+            {"params": params("jsd", 1e-4, seed), "code_revision": "x", "data_fingerprint": "d3"}))
+    other = report(paths[:4], baseline="rkl")
+    assert other["comparisons"]["jsd"]["changes"] == {"data_fingerprint": ["d1", "d3"], "loss.name": ["rkl", "jsd"]}
+    assert other["confounds"]["jsd"].startswith("jsd was trained on other data (data_fingerprint) than rkl")
+    same = report([p for p in paths if "rkl" in str(p)] + [
+        write_eval(tmp_path / "eval" / f"rerun{i}.json", "rerun", i, 0.51, model=str(tmp_path / "rkl" / str(i)))
+        for i in (0, 1)], baseline="rkl")
+    assert same["comparisons"]["rerun"]["changes"] == {}
+    assert "rerun vs rkl: trained alike (the same settings and data)" in format_report(same)
+
+
 def test_a_stray_run_folder_does_not_change_the_report(evals, tmp_path, capsys):
     """Outputs of a seed or an arm that params.yaml no longer lists stay under runs/ (DVC leaves them):
     the pipeline's pattern reads only the listed ones, so the report is the same with them there."""

@@ -141,14 +141,77 @@ def _seed(value):
     return value
 
 
-def train_seconds(eval_json: dict) -> float | None:
-    """The training seconds of the checkpoint an eval JSON evaluated (``elapsed_s`` of its
-    ``opdkit.json``), or None when its ``model`` is not a checkpoint of ``opdkit train`` (here)."""
+def checkpoint_record(eval_json: dict) -> dict | None:
+    """The ``opdkit.json`` of the checkpoint an eval JSON evaluated (its ``model``), or None when that is not a
+    checkpoint of ``opdkit train`` (here)."""
     meta = Path(str(eval_json.get("model", ""))) / CHECKPOINT_META
     if not eval_json.get("model") or not meta.is_file():
         return None
-    elapsed = json.loads(meta.read_text()).get("elapsed_s")
+    return json.loads(meta.read_text())
+
+
+def train_seconds(eval_json: dict) -> float | None:
+    """The training seconds of the checkpoint an eval JSON evaluated (``elapsed_s`` of its
+    ``opdkit.json``), or None when its ``model`` is not a checkpoint of ``opdkit train`` (here)."""
+    elapsed = (checkpoint_record(eval_json) or {}).get("elapsed_s")
     return float(elapsed) if isinstance(elapsed, (int, float)) else None
+
+
+# What names or places a run rather than what it trains (left out of an arm's settings), and what a checkpoint
+# records beside its params that a comparison must hold equal too (the training data). Its code_revision (the git
+# commit) is not a setting: any commit, a documentation one too, changes it, and dvc trains a seed added later on
+# the newer commit (the report lists the revisions per group instead)
+NOT_SETTINGS = ("seed", "experiment_name", "runtime.state_dir", "pipeline.")
+RECORD_SETTINGS = ("data_fingerprint",)
+
+
+def train_settings(eval_json: dict) -> dict | None:
+    """What the checkpoint an eval JSON evaluated was trained with: its params flattened to dotted keys
+    (``{"loss.name": "rkl", ...}``) less ``NOT_SETTINGS``, with its record's ``RECORD_SETTINGS``; None when
+    its ``model`` is not a checkpoint of ``opdkit train``."""
+    record = checkpoint_record(eval_json)
+    if record is None or not isinstance(record.get("params"), dict):
+        return None
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    settings = {k: v for k, v in flat(record["params"]).items()
+                if not any(k == n or (n.endswith(".") and k.startswith(n)) for n in NOT_SETTINGS)}
+    return {**settings, **{k: record.get(k) for k in RECORD_SETTINGS}}
+
+
+def arm_settings(runs: list[dict], group_key: str) -> tuple[dict, dict]:
+    """Per group of ``runs`` (``load_evals``'s records), the ``train_settings`` its runs share (None where no
+    run of it is a checkpoint of ``opdkit train``) and, where its runs differ, ``{key: [each run's value]}``
+    (runs in ``runs``' order; None for a run without settings)."""
+    shared, varies = {}, {}
+    for name in dict.fromkeys(r[group_key] for r in runs):
+        each = [train_settings(json.loads(Path(r["file"]).read_text())) for r in runs if r[group_key] == name]
+        known = [x for x in each if x is not None]
+        if not known:
+            shared[name] = None
+            continue
+        keys = sorted(set().union(*known))
+        differ = {k: [None if x is None else x.get(k) for x in each] for k in keys
+                  if len({json.dumps(x.get(k), sort_keys=True) for x in known}) > 1 or len(known) < len(each)}
+        shared[name] = {k: known[0].get(k) for k in keys if k not in differ}
+        if differ:
+            varies[name] = differ
+    return shared, varies
+
+
+def setting_changes(baseline: dict | None, arm: dict | None, unshared: frozenset = frozenset()) -> dict | None:
+    """``{key: [baseline's value, arm's value]}`` for the settings the two hold differently (a key one lacks:
+    None), but ``unshared`` (keys whose value differs among one group's runs: ``arm_settings``'s); None when
+    either is unknown."""
+    if baseline is None or arm is None:
+        return None
+    return {k: [baseline.get(k), arm.get(k)] for k in sorted((set(baseline) | set(arm)) - unshared)
+            if json.dumps(baseline.get(k), sort_keys=True) != json.dumps(arm.get(k), sort_keys=True)}
 
 
 def load_evals(paths: list[str | Path], group_key: str = "arm") -> list[dict]:
@@ -240,9 +303,14 @@ def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm
     for name, g in groups.items():
         mine = [r for r in runs if r[group_key] == name]
         secs = [r["train_s"] for r in mine if "train_s" in r]
+        revs = [(checkpoint_record(json.loads(Path(r["file"]).read_text())) or {}).get("code_revision") for r in mine]
         g.update(steps=_tag(mine, "step"), match="baseline" if name == baseline else _tag(mine, "match"),
-                 train_s=float(np.mean(secs)) if secs else None)
+                 train_s=float(np.mean(secs)) if secs else None,
+                 code_revisions=sorted({r for r in revs if r}))
     wall_mismatch = _wall_mismatch(groups, baseline)
+    settings, varies = arm_settings(runs, group_key)
+    confounds = {name: [f"{name}'s runs were not trained alike: " + "; ".join(
+        f"{k} {', '.join(map(repr, v))}" for k, v in diff.items())] for name, diff in varies.items()}
     comparisons, skipped = {}, {}
     if baseline is not None:
         if baseline not in groups:
@@ -265,9 +333,17 @@ def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm
                 "diff_in_baseline_se": c["diff"] / se_base if se_base > 0 else float("nan"),
                 "paired": paired, "match": groups[name]["match"], "steps": groups[name]["steps"],
                 "planning": planning(c, paired),
+                "changes": setting_changes(settings[baseline], settings[name],
+                                           frozenset(varies.get(name, {})) | frozenset(varies.get(baseline, {}))),
             }
+            other = [k for k in RECORD_SETTINGS if k in (comparisons[name]["changes"] or {})]
+            if other:
+                confounds.setdefault(name, []).append(
+                    f"{name} was trained on other data ({' and '.join(other)}) than {baseline} (the checkpoints' "
+                    "opdkit.json): more changed between them than the arm's settings")
     return _finite({"group_key": group_key, "baseline": baseline, "runs": runs, "groups": groups,
-                    "comparisons": comparisons, "not_compared": skipped, "wall_mismatch": wall_mismatch})
+                    "comparisons": comparisons, "not_compared": skipped, "wall_mismatch": wall_mismatch,
+                    "confounds": {name: "; ".join(msgs) for name, msgs in confounds.items()}})
 
 
 def _wall_mismatch(groups: dict, baseline: str | None) -> dict:
@@ -311,8 +387,20 @@ def format_report(result: dict) -> str:
                  "seconds to the evaluated checkpoint on the machine that ran it; mean eval stderr per group in the "
                  "JSON)")
     lines += [line for name, c in result["comparisons"].items() if (line := _planning_line(name, c))]
+    lines += [_changes_line(name, result["baseline"], c["changes"]) for name, c in result["comparisons"].items()
+              if c.get("changes") is not None]
     lines += [f"WARNING: {msg}" for msg in result.get("wall_mismatch", {}).values()]
+    lines += [f"WARNING: {msg}" for msg in result.get("confounds", {}).values()]
     return "\n".join(lines)
+
+
+def _changes_line(name, baseline, changes: dict, most: int = 8) -> str:
+    """One line of what an arm was trained with otherwise than the baseline (its ``changes``), ``most`` keys."""
+    if not changes:
+        return f"{name} vs {baseline}: trained alike (the same settings and data): the difference is noise"
+    shown = [f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:most]]
+    more = f" (+{len(changes) - most} more in the JSON)" if len(changes) > most else ""
+    return f"{name} vs {baseline}: {', '.join(shown)}{more}"
 
 
 def _planning_line(name, comparison: dict) -> str:
