@@ -176,6 +176,28 @@ def test_checkpoints_beside_a_damaged_run_json_are_refused_naming_run_json_and_t
     assert_same_weights(out / "checkpoints" / "checkpoint-4", src / "checkpoints" / "checkpoint-4")
 
 
+def test_the_record_of_a_start_that_saved_nothing_is_taken_over_only_by_the_same_run(tmp_path, uninterrupted):
+    """A start killed before its first save leaves config.yaml, run.json and metrics rows but no state or
+    checkpoint; the next start begins again and takes that record over (run_id, rows dropped, wall time
+    counted). Another config took it over too, dropping the rows of a run that was not its own; now it is
+    refused as a resume with other params is, and a config.yaml opdkit did not write is not overwritten."""
+    from opdkit.train import preflight
+
+    src, _ = uninterrupted
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.yaml", "run.json", "metrics"):
+        (shutil.copytree if (src / name).is_dir() else shutil.copy)(src / name, out / name)
+    before = snapshot(out)
+    with pytest.raises(RunError, match=r"holds a run \(step 4\) with other params \(loss.name: 'rkl' -> 'k1'\)"):
+        train(cfg("budget.max_steps=4", "loss.name=k1"), out, log=lambda s: None, progress=False)
+    assert snapshot(out) == before
+    preflight(cfg("budget.max_steps=9", "publish.every_steps=3"), out)  # the same run, its budget changed: fine
+    (out / "config.yaml").write_text("notes: [unclosed\n")
+    with pytest.raises(RunError, match=r"config.yaml is not a params file opdkit wrote \(ParserError: .*move it away"):
+        preflight(cfg("budget.max_steps=4"), out)
+
+
 def test_a_wall_budget_spent_before_the_first_step_still_publishes_and_ends_cleanly(tmp_path):
     out = tmp_path / "out"
     c = cfg("budget.max_wall_time_s=1.0", "budget.deadline_reserve_s=0.999", "optim.schedule=constant")

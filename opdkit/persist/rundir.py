@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from opdkit import distributed
 from opdkit.config import Config, dump_yaml, to_dict
 from opdkit.persist import trainer_state
@@ -124,6 +126,24 @@ def ended_on_the_wall_clock(run_json: dict, state: dict | None, step: int, cfg: 
             and run_json.get("step") == step and state.get("config", {}).get("budget") == to_dict(cfg)["budget"])
 
 
+def started_params(out: Path) -> dict | None:
+    """The params config.yaml of ``out`` records (the latest start's; None: no config.yaml). ``RunError``
+    when it is there but not a YAML mapping: opdkit writes it atomically, so it is someone else's file."""
+    f = out / "config.yaml"
+    if not f.is_file():
+        return None
+    try:
+        got = yaml.safe_load(f.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        got = e
+    if not isinstance(got, dict):
+        why = (f"{type(got).__name__}: {' '.join(str(got).split())}" if isinstance(got, Exception)
+               else f"it holds a {type(got).__name__}")
+        raise RunError(f"{f} is not a params file opdkit wrote ({why}); a run here would overwrite it: move it away "
+                       "or choose another output directory")
+    return got
+
+
 def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
     if out.exists() and not out.is_dir():
@@ -150,6 +170,12 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
         raise RunError(f"{out / 'checkpoints'} holds {names} but there is no trainer state "
                        f"({trainer_state.directory(out, cfg.runtime.state_dir)}) to resume them from; choose another "
                        "output directory or remove the old checkpoints")
+    elif (started := started_params(out)) is not None:
+        # an earlier start that saved neither a state nor a checkpoint (killed before its first save): this start
+        # begins again and takes its record (run.json's run_id, its metrics rows, the wall time it spent), so it
+        # must be the same run; nothing of it was trained on, so its budget (the schedule's horizon) may change
+        started = {k: v for k, v in started.items() if k != "budget"}
+        check_resumable(cfg, inputs, {"config": started, "step": _run_json(out).get("step", 0)}, out)
 
 
 def trim_metrics(out: Path, step: int) -> float:
