@@ -722,7 +722,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({yaml_problem(e)})") from None
     return key, value
 
 
@@ -737,15 +737,24 @@ def config_from_dict(raw: dict | None, overrides: list[str] | tuple[str, ...] = 
     return _build(Config, tree)
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: what is wrong and where (PyYAML's own text spans several lines)."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return " ".join(str(e).split())
+    problem = " ".join(str(getattr(e, "problem", None) or e).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
 def read_yaml_mapping(path: str | Path, what: str = "params file") -> dict:
-    """A YAML file whose top level is a mapping; errors name the file."""
+    """A YAML file whose top level is a mapping; errors name the file (in one line)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{what} {p} does not exist")
+        raise ConfigError(f"{what} {p} {'is a directory, not a YAML file' if p.is_dir() else 'does not exist'}")
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {p} is not valid YAML: {e}") from None
+        raise ConfigError(f"{what} {p} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {p}: expected a mapping at the top level")
     return raw

@@ -91,7 +91,8 @@ def load_config(params: str | Path | None, recipe: str | Path | None = None,
     if path is not None:
         if not path.is_file():
             if where == "-r/--recipe":
-                raise ConfigError(f"recipe {name} does not exist (-r/--recipe)")
+                what = "is a directory, not a YAML file" if path.is_dir() else "does not exist"
+                raise ConfigError(f"recipe {name} {what} (-r/--recipe)")
             raise ConfigError(f"{where} names recipe {name}, which does not exist (looked for {path.absolute()}); "
                               "name a file under recipes/, or '' for none")
         raw = overlay(raw, recipe_tree(path))
@@ -99,8 +100,9 @@ def load_config(params: str | Path | None, recipe: str | Path | None = None,
     rest = [o for o, (key, _) in zip(overrides, parsed) if key != "recipe"]
     try:
         return config_from_dict(raw, rest)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (params {params}, recipe {path})") from None
+    except ConfigError as e:  # where the value came from: the files applied (none: built-in defaults and -S)
+        files = ", ".join(f"{what} {f}" for what, f in (("params", params), ("recipe", path)) if f is not None)
+        raise ConfigError(f"{e} ({files})" if files else str(e)) from None
 
 
 # --- the OPSD log's environment switches ---------------------------------------------------------------

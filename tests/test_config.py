@@ -84,6 +84,20 @@ def test_unknown_key_in_file(tmp_path):
         load_config(p)
 
 
+def test_a_bad_yaml_file_or_value_is_named_in_one_line(tmp_path):
+    """PyYAML's message spans several lines (the mark, a caret); the CLI's contract is one line."""
+    (tmp_path / "params.yaml").write_text("optim:\n  lr: [1e-4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "params.yaml")
+    assert re.fullmatch(rf"params file {re.escape(str(tmp_path))}/params.yaml is not valid YAML: expected ',' or "
+                        r"']', but got '<stream end>' at line 3, column 1", str(e.value)), str(e.value)
+    with pytest.raises(ConfigError, match=r"value is not valid YAML \(.* at line 1, column 3\)$") as e:
+        config_from_dict({}, ["optim.lr=[1"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"params file .* is a directory, not a YAML file$"):
+        load_config(tmp_path)
+
+
 def test_replace_does_not_mutate():
     a = Config()
     b = replace(a, "seed=5")

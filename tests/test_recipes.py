@@ -1,5 +1,6 @@
 """The reference recipes (params overlays under recipes/) and the overlay loader."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,22 @@ def test_a_missing_recipe_names_the_file_and_the_key(tmp_path):
         load_config(params, None, ["recipe=other.yaml"])
     with pytest.raises(ConfigError, match=r"params key 'recipe'.*expected str"):
         load_config(params, None, ["recipe=[1, 2]"])
+
+
+def test_an_error_names_the_files_applied_and_only_those(tmp_path):
+    """A bad value names the params file and recipe it was read with, and with neither says nothing of them
+    (it said "(params None, recipe None)"); -r naming a directory says so (it said "does not exist")."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, "", ["optim.lr=abc"])
+    assert str(e.value) == "params key 'optim.lr': expected float, got 'abc'"
+    (tmp_path / "r.yaml").write_text("loss:\n  name: k1\n")
+    with pytest.raises(ConfigError, match=rf"got 'abc' \(recipe {re.escape(str(tmp_path))}/r.yaml\)$"):
+        load_config(None, tmp_path / "r.yaml", ["optim.lr=abc"])
+    params = _params(tmp_path, "r.yaml")
+    with pytest.raises(ConfigError, match=rf"got 'abc' \(params {re.escape(str(params))}, recipe .*r.yaml\)$"):
+        load_config(params, None, ["optim.lr=abc"])
+    with pytest.raises(ConfigError, match=r"recipe .* is a directory, not a YAML file \(-r/--recipe\)"):
+        load_config(None, tmp_path)
 
 
 def test_a_recipe_may_not_name_a_recipe_or_set_the_pipeline(tmp_path):

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from opdkit import distributed
-from opdkit.config import Config, dump_yaml, to_dict
+from opdkit.config import Config, dump_yaml, to_dict, yaml_problem
 from opdkit.persist import trainer_state
 from opdkit.persist.checkpoints import is_valid_checkpoint, surviving_checkpoints_message
 from opdkit.persist.fsutil import atomic_write_json, atomic_write_text, list_checkpoints
@@ -137,8 +137,8 @@ def started_params(out: Path) -> dict | None:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         got = e
     if not isinstance(got, dict):
-        why = (f"{type(got).__name__}: {' '.join(str(got).split())}" if isinstance(got, Exception)
-               else f"it holds a {type(got).__name__}")
+        why = (f"{type(got).__name__}: {yaml_problem(got) if isinstance(got, yaml.YAMLError) else got}"
+               if isinstance(got, Exception) else f"it holds a {type(got).__name__}")
         raise RunError(f"{f} is not a params file opdkit wrote ({why}); a run here would overwrite it: move it away "
                        "or choose another output directory")
     return got
