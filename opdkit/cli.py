@@ -114,10 +114,11 @@ def cmd_eval(args) -> int:
     cfg = _config(args)  # bad params are refused before torch is imported
     from opdkit import paths
     from opdkit.data import load_eval_examples
-    from opdkit.evaluate import evaluate, protocol_record, write_eval
+    from opdkit.evaluate import evaluate, parse_tags, protocol_record, write_eval
     from opdkit.models import check_model_dir, compute_dtype, load_model, pick_device, setup_torch
     from opdkit.pairs import tokenizer_of
 
+    tags = parse_tags(args.tag)  # a bad tag is refused before anything is evaluated
     setup_torch(cfg.runtime)
     data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
     examples = load_eval_examples(data_paths)
@@ -133,9 +134,7 @@ def cmd_eval(args) -> int:
     summary.update(model=str(args.model),
                    data=str(data_paths[0]) if len(data_paths) == 1 else [str(d) for d in data_paths],
                    **protocol_record(cfg.eval, summary["n_questions"]))
-    for tag in args.tag:
-        k, _, v = tag.partition("=")
-        summary[k] = v
+    summary.update(tags)
     per_q = write_eval(summary, records, args.out)
     print(f"accuracy {summary['accuracy']:.4f} +- {summary['stderr']:.4f} (clustered stderr) over "
           f"{summary['n_questions']} questions x {cfg.eval.n_samples}; wrote {args.out} and {per_q}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from opdkit.config import PROTOCOLS, DataConfig, EvalConfig
+from opdkit.config import PROTOCOLS, ConfigError, DataConfig, EvalConfig
 from opdkit.data import Example, encode_prompt
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
@@ -110,6 +110,28 @@ def protocol_record(ev: EvalConfig, n_questions: int) -> dict:
         expected = PROTOCOLS[ev.protocol].n_questions
         out.update(protocol=ev.protocol, protocol_questions=expected,
                    protocol_complete=n_questions == expected and not ev.max_questions)
+    return out
+
+
+# The eval JSON's own fields (summarize, protocol_record, and the model and data `opdkit eval` adds): a --tag of one
+# of them would replace the measurement it records
+RESULT_KEYS = ("accuracy", "stderr", "stderr_naive", "n_questions", "n_samples", "truncated_frac", "boxed_frac",
+               "verifier_frac", "mean_response_tokens", "parts", "eval_params", "protocol", "protocol_questions",
+               "protocol_complete", "model", "data")
+
+
+def parse_tags(tags: list[str]) -> dict[str, str]:
+    """``opdkit eval --tag KEY=VALUE`` arguments as fields of the eval JSON; ``ConfigError`` for one without
+    ``=`` or a key, or whose key is one of ``RESULT_KEYS`` (checked before anything is evaluated)."""
+    out: dict[str, str] = {}
+    for tag in tags:
+        key, eq, value = tag.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--tag {tag!r}: expected KEY=VALUE (e.g. --tag arm=k1 --tag seed=0)")
+        if key.strip() in RESULT_KEYS:
+            raise ConfigError(f"--tag {tag!r}: {key.strip()!r} is a field the eval JSON records itself (one of "
+                              f"{', '.join(RESULT_KEYS)}); a tag would replace it: choose another key")
+        out[key.strip()] = value
     return out
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from opdkit import paths
-from opdkit.config import Config, replace
+from opdkit.config import Config, ConfigError, replace
 from opdkit.data import load_examples
-from opdkit.evaluate import evaluate, summarize
+from opdkit.evaluate import RESULT_KEYS, evaluate, parse_tags, protocol_record, summarize
 from opdkit.models import load_model, load_tokenizer
 
 
@@ -55,3 +55,24 @@ def test_eval_cli_writes_json_and_jsonl(tmp_path, cfg):
     assert summary["n_questions"] == 8 and summary["n_samples"] == 16 and summary["arm"] == "teacher"
     lines = out.with_suffix(".jsonl").read_text().splitlines()
     assert len(lines) == 16 and {"id", "completion", "correct", "truncated"} <= set(json.loads(lines[0]))
+
+
+def test_a_tag_may_not_replace_what_the_eval_json_measures(tmp_path, cfg, capsys):
+    """--tag accuracy=0.99 replaced the measured accuracy and --tag arm (no '=') wrote arm "" without a word; both
+    are refused before anything is evaluated (exit 2, nothing written). RESULT_KEYS holds every field the eval
+    JSON writes of its own."""
+    assert parse_tags(["arm=k1", "seed=0", "note=a=b"]) == {"arm": "k1", "seed": "0", "note": "a=b"}
+    with pytest.raises(ConfigError, match=r"--tag 'accuracy=0.99': 'accuracy' is a field the eval JSON records"):
+        parse_tags(["arm=k1", "accuracy=0.99"])
+    with pytest.raises(ConfigError, match=r"--tag 'arm': expected KEY=VALUE"):
+        parse_tags(["arm"])
+    records = [{"id": q, "source": src, "correct": True, "truncated": False, "has_box": True, "graded_by": "rule",
+                "n_tokens": 3} for q, src in (("a", "2024"), ("b", "2025"))]
+    assert set(summarize(records)) | set(protocol_record(Config().eval, 2)) | {"model", "data"} <= set(RESULT_KEYS)
+    assert set(protocol_record(replace(Config(), "eval.protocol=aime_final").eval, 2)) <= set(RESULT_KEYS)
+    from opdkit.cli import main
+
+    out = tmp_path / "e.json"
+    assert main(["eval", "--quiet", "--model", str(paths.teacher_path(cfg)), "--out", str(out), "--tag",
+                 "n_questions=300"]) == 2
+    assert capsys.readouterr().err.startswith("opdkit: error: --tag 'n_questions=300'") and not out.exists()
