@@ -321,6 +321,10 @@ def cmd_report(args) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
+    if args.table:
+        from opdkit.studies.report import format_report
+
+        text = format_report(result)
     print(text)
     return 0
 
@@ -439,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "'runs/eval/{arm}/seed{seed}.json': arms loss.name and pipeline.baseline_arm, seeds pipeline.seeds)")
     p.add_argument("--baseline", default=None, help="arm to compare the others against")
     p.add_argument("--group-key", default="arm")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="write the report's JSON here")
+    p.add_argument("--table", action="store_true", help="print the table (what each arm changed, what its seeds can "
+                   "find, the warnings), not the JSON")
     p.add_argument("-p", "--params", default=None,
                    help="params YAML whose arms and seeds fill in the patterns, read as dvc.yaml reads it (no recipe; "
                         "default: params.yaml if present, else built-in defaults; 'none': built-in defaults)")

@@ -178,6 +178,10 @@ def test_opdkit_report_cli_prints_and_writes(evals, tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert json.loads(out.read_text()) == printed
     assert printed["groups"]["rkl"]["n"] == 3 and "jsd" in printed["comparisons"]
+    out.unlink()
+    assert main(["report", str(evals / "rkl"), str(evals / "jsd"), "--baseline", "rkl", "--out", str(out),
+                 "--table"]) == 0
+    assert capsys.readouterr().out == format_report(json.loads(out.read_text())) + "\n"  # the table; the JSON written
 
 
 def test_per_question_correct_reads_the_records_beside_the_eval_json(tmp_path):
