@@ -114,11 +114,12 @@ def cmd_eval(args) -> int:
     cfg = _config(args)  # bad params are refused before torch is imported
     from opdkit import paths
     from opdkit.data import load_eval_examples
-    from opdkit.evaluate import evaluate, parse_tags, protocol_record, write_eval
+    from opdkit.evaluate import check_out, evaluate, parse_tags, protocol_record, write_eval
     from opdkit.models import check_model_dir, compute_dtype, load_model, pick_device, setup_torch
     from opdkit.pairs import tokenizer_of
 
-    tags = parse_tags(args.tag)  # a bad tag is refused before anything is evaluated
+    tags = parse_tags(args.tag)  # a bad tag, or an --out that cannot be written, is refused before anything is run
+    check_out(args.out)
     setup_torch(cfg.runtime)
     data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
     examples = load_eval_examples(data_paths)

@@ -135,6 +135,15 @@ def parse_tags(tags: list[str]) -> dict[str, str]:
     return out
 
 
+def check_out(out: str | Path) -> None:
+    """``ConfigError`` when ``write_eval`` could not write ``out`` or its ``.jsonl`` beside it because one of
+    them is a directory (checked before the evaluation, which it would end with a traceback)."""
+    for path in (Path(out), Path(out).with_suffix(".jsonl")):
+        if path.is_dir():
+            raise ConfigError(f"--out {out}: {path} is a directory; expected the eval JSON's file (FILE.json, its "
+                              "per-sample records written beside it as FILE.jsonl)")
+
+
 def write_eval(summary: dict, records: list[dict], out: str | Path) -> Path:
     """``out`` (JSON summary) and ``out`` with suffix ``.jsonl`` (per-sample records) beside it."""
     out = Path(out)

@@ -76,3 +76,14 @@ def test_a_tag_may_not_replace_what_the_eval_json_measures(tmp_path, cfg, capsys
     assert main(["eval", "--quiet", "--model", str(paths.teacher_path(cfg)), "--out", str(out), "--tag",
                  "n_questions=300"]) == 2
     assert capsys.readouterr().err.startswith("opdkit: error: --tag 'n_questions=300'") and not out.exists()
+
+
+def test_an_out_that_is_a_directory_is_refused_before_evaluating(tmp_path, cfg, capsys):
+    """'opdkit eval --out DIR' evaluated every question, then ended in an IsADirectoryError traceback (exit 1)."""
+    from opdkit.cli import main
+
+    (tmp_path / "e").mkdir()
+    assert main(["eval", "--quiet", "--model", str(paths.teacher_path(cfg)), "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"opdkit: error: --out {tmp_path / 'e'}: {tmp_path / 'e'} is a directory"), err
+    assert err.count("\n") == 1 and list(tmp_path.iterdir()) == [tmp_path / "e"]
