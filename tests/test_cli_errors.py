@@ -70,6 +70,7 @@ BAD_INPUTS = {
     "override out of range": ({}, ["rollout.temperature=-1"], "'rollout.temperature': expected >= 0"),
     "env of the wrong type": ({"MAX_WALL_TIME_SECONDS": "soon"}, [], "'budget.max_wall_time_s': expected float"),
     "missing params file": ({"PARAMS": "{bad}/nowhere.yaml"}, [], "does not exist"),
+    "state dir is a file": ({"CKPT_DIR": "{bad}/table.csv"}, [], "table.csv (runtime.state_dir) exists and is not a"),
 }
 
 

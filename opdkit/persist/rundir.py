@@ -148,6 +148,10 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     """Read-only checks of ``out`` before anything is written (errors leave it as it was)."""
     if out.exists() and not out.is_dir():
         raise RunError(f"output directory {out} exists and is not a directory")
+    state_dir = trainer_state.directory(out, cfg.runtime.state_dir)
+    if state_dir.exists() and not state_dir.is_dir():
+        raise RunError(f"trainer state directory {state_dir}{' (runtime.state_dir)' if cfg.runtime.state_dir else ''} "
+                       "exists and is not a directory; name a directory (it is created if missing)")
     state = trainer_state.peek(out, cfg.runtime.state_dir)
     if state is not None:
         check_resumable(cfg, inputs, state, out)
