@@ -9,6 +9,7 @@ defaults and the study's overlay, the keys marked ``# study:`` (docs/design.md, 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 import types
@@ -665,12 +666,33 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"internal: unsupported annotation {tp!r} at {key}")
 
 
+def _dotted_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every key of the schema (``Config`` by default) as a dotted path, sections' keys included."""
+    out = []
+    for name, tp in typing.get_type_hints(cls or Config).items():
+        out.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            out += _dotted_keys(tp, f"{prefix}{name}.")
+    return out
+
+
+def _suggestion(name: str, known: list[str], prefix: str) -> str:
+    """What an unknown key ``name`` (under ``prefix``) may have meant: a close spelling among ``known``, else the
+    keys of that name in other sections (``"lr"`` under ``rollout.``: optim.lr); "" when neither."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    elsewhere = [k for k in _dotted_keys() if k.rsplit(".", 1)[-1] == name and k != prefix + name]
+    return f"; did you mean {' or '.join(repr(k) for k in elsewhere[:3])}?" if elsewhere else ""
+
+
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for k in raw:
         if k not in names:
-            raise ConfigError(f"unknown params key '{prefix}{k}'; known keys here: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown params key '{prefix}{k}'{_suggestion(str(k), list(names), prefix)} (known keys "
+                              f"here: {', '.join(sorted(names))})")
     kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in raw.items()}
     return cls(**kwargs)
 
@@ -708,7 +730,8 @@ def _check_key_exists(dotted: str) -> None:
         if p not in fields:
             where = ".".join(dotted.split(".")[:i]) or "top level"
             known = ", ".join(sorted(fields)) if fields else "(no sub-keys: it is a value)"
-            raise ConfigError(f"unknown params key '{dotted}' (no '{p}' in {where}; known: {known})")
+            hint = _suggestion(p, list(fields), ".".join(dotted.split(".")[:i] + [""]).lstrip(".")) if fields else ""
+            raise ConfigError(f"unknown params key '{dotted}'{hint} (no '{p}' in {where}; known: {known})")
         cls = typing.get_type_hints(cls)[p]
 
 

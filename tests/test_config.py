@@ -77,6 +77,24 @@ def test_out_of_range_values_name_the_key_and_the_range(override, needle, edge):
     config_from_dict({}, [edge])  # the edge of the range is fine
 
 
+@pytest.mark.parametrize("override, hint", [
+    ("rollout.temprature=1", "; did you mean 'rollout.temperature'?"),
+    ("optim.lrr=1", "; did you mean 'optim.lr'?"),
+    ("rollout.lr=1", "; did you mean 'optim.lr' or 'embedded.lr'?"),  # a key of another section
+    ("lr=1", "; did you mean 'optim.lr' or 'embedded.lr'?"),
+    ("data.filters.answer_rgx=x", "; did you mean 'data.filters.answer_regex'?"),
+    ("nosuch=1", " (no 'nosuch' in top level"),
+])
+def test_an_unknown_key_says_what_it_may_have_meant(override, hint):
+    """A misspelt key, or one put in the wrong section, is named with the key it most likely meant (the error
+    listed the section's keys and left the user to find it)."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({}, [override])
+    assert str(e.value).startswith(f"unknown params key '{override.split('=')[0]}'{hint}"), str(e.value)
+    with pytest.raises(ConfigError, match=r"unknown params key 'optimizer'; did you mean 'optim'\? \(known keys"):
+        config_from_dict({"optimizer": {"lr": 1.0}})
+
+
 def test_unknown_key_in_file(tmp_path):
     p = tmp_path / "params.yaml"
     p.write_text("loss:\n  name: k1\n  bogus: 2\n")
