@@ -666,7 +666,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"internal: unsupported annotation {tp!r} at {key}")
 
 
-def _dotted_keys(cls: type = None, prefix: str = "") -> list[str]:
+def _dotted_keys(cls: type | None = None, prefix: str = "") -> list[str]:
     """Every key of the schema (``Config`` by default) as a dotted path, sections' keys included."""
     out = []
     for name, tp in typing.get_type_hints(cls or Config).items():
@@ -730,7 +730,7 @@ def _check_key_exists(dotted: str) -> None:
         if p not in fields:
             where = ".".join(dotted.split(".")[:i]) or "top level"
             known = ", ".join(sorted(fields)) if fields else "(no sub-keys: it is a value)"
-            hint = _suggestion(p, list(fields), ".".join(dotted.split(".")[:i] + [""]).lstrip(".")) if fields else ""
+            hint = _suggestion(p, list(fields), "".join(q + "." for q in dotted.split(".")[:i])) if fields else ""
             raise ConfigError(f"unknown params key '{dotted}'{hint} (no '{p}' in {where}; known: {known})")
         cls = typing.get_type_hints(cls)[p]
 
