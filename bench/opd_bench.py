@@ -32,7 +32,7 @@ from opdkit import opd, step as opd_step  # noqa: E402
 from opdkit.engines.base import left_pad  # noqa: E402
 from opdkit.engines.select import engine_name, make_engine  # noqa: E402
 from opdkit.engines.weights import plain  # noqa: E402
-from opdkit.models import random_model, setup_torch, shape_config  # noqa: E402
+from opdkit.models import hf_checkpointing, random_model, setup_torch, shape_config  # noqa: E402
 from opdkit.recipes import load_config  # noqa: E402
 from opdkit.schedules import lr_at  # noqa: E402
 
@@ -209,7 +209,7 @@ def run_opd(args, *, recipe: str, shape: str, prompt_len: tuple[int, int], solut
     t_setup = time.perf_counter()
     student = random_model(mcfg, dev, torch.float32, seed=0)  # fp32 master weights; bf16 compute by autocast
     if cfg.runtime.grad_checkpointing:
-        student.gradient_checkpointing_enable()
+        hf_checkpointing(student, True)
         student.config.use_cache = False
     teacher_ctx = None
     if cfg.lora.enabled:

@@ -219,7 +219,20 @@ def enable_checkpointing(model, keep_attention: bool) -> None:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_attention_policy)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    hf_checkpointing(model, True, kwargs)
+
+
+def hf_checkpointing(model, on: bool, kwargs: dict | None = None) -> None:
+    """transformers' checkpointing of ``model``'s layers switched on (``kwargs``: torch's checkpoint's keywords) or
+    off, by the name the installed transformers gives it: ``activation_checkpointing_enable`` / ``_disable`` where
+    it has them (the ``gradient_checkpointing_*`` names are deprecated there, to go in v6), else those."""
+    new = "activation_checkpointing_enable" if on else "activation_checkpointing_disable"
+    if hasattr(model, new):
+        getattr(model, new)(**({"activation_checkpointing_kwargs": kwargs} if on else {}))
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def checkpoint_all_but_last(layers, n_unchecked: int) -> None:

@@ -178,7 +178,9 @@ def _step_grads(tok, grad_ckpt: bool):
     student = _small(len(tok), "qwen2", layers=3, seed=0)
     teacher = _small(len(tok), "qwen2", layers=3, seed=1, dtype=torch.bfloat16).eval().requires_grad_(False)
     if grad_ckpt:
-        student.gradient_checkpointing_enable()
+        from opdkit.models import hf_checkpointing
+
+        hf_checkpointing(student, True)
         student.config.use_cache = False
     student.train()
     prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4."]]
@@ -457,8 +459,10 @@ def test_packed_rows_equal_row_by_row_with_gradients():
 
     if not packing.varlen_available(torch.device("cuda")):
         pytest.skip("this torch has no torch.nn.attention.varlen")
+    from opdkit.models import hf_checkpointing
+
     model = _small(4096, "qwen3", layers=2, seed=3)
-    model.gradient_checkpointing_enable()
+    hf_checkpointing(model, True)
     model.train()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (7, 30, 12, 19)]

@@ -9,6 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 
 from opdkit import packing
 from opdkit.engines.base import left_pad
+from opdkit.models import hf_checkpointing
 from opdkit.scoring import build_geometry, completion_hidden
 
 
@@ -18,7 +19,7 @@ def test_packed_hidden_states_and_gradients_equal_row_by_row(arch, tok):
               num_key_value_heads=2, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=8)) if arch == "qwen3" else Qwen2ForCausalLM(Qwen2Config(**kw))
-    model.gradient_checkpointing_enable()  # the keywords that carry the row boundaries pass through it
+    hf_checkpointing(model, True)  # the keywords that carry the row boundaries pass through it
     model.train()
     prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."]]
     pid, pmask = left_pad(prompts, tok.pad_token_id)
@@ -74,7 +75,7 @@ def _packed_grads(model, geo, keep_attention: bool, seen: list) -> dict:
             seen.append(str(op))
         return decision
 
-    model.gradient_checkpointing_disable()
+    hf_checkpointing(model, False)
     original = models.keep_attention_policy
     models.keep_attention_policy = recording
     try:
@@ -133,7 +134,7 @@ def test_layers_left_unchecked_give_the_same_gradients_and_are_not_recomputed(to
         grads = []
         for n in (0, 1, 3):
             calls[:] = [0, 0, 0]
-            model.gradient_checkpointing_disable()
+            hf_checkpointing(model, False)
             models.enable_checkpointing(model, keep_attention)
             models.checkpoint_all_but_last(model.model.layers, n)
             model.zero_grad()
