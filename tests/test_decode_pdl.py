@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from opdkit.engines.decode_kernels import _launch
+
 triton = pytest.importorskip("triton")
 
 BF, F32, I64, I32 = "*bf16", "*fp32", "*i64", "i32"
@@ -54,9 +56,10 @@ KERNELS = {
 }
 
 
-def _ptx(name: str, pdl: bool, **over) -> list[str]:
-    """The kernel's PTX instructions (its debug sections and comments dropped), compiled for sm_90. A kernel whose
-    arguments no longer match KERNELS fails here (it is not skipped)."""
+def _ptx(name: str, pdl: bool, _options: dict | None = None, **over) -> list[str]:
+    """The kernel's PTX instructions (its debug sections and comments dropped), compiled for sm_90 with the kit's
+    launch options (``_options`` over them) and constexprs ``over``. A kernel whose arguments no longer match
+    KERNELS fails here (it is not skipped)."""
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -68,8 +71,9 @@ def _ptx(name: str, pdl: bool, **over) -> list[str]:
     args, const = KERNELS[name]
     const = {**const, **over, "PDL": pdl}
     src = ASTSource(getattr(decode_triton, name.split("/")[0]), {**args, **{k: "constexpr" for k in const}}, const)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, **({"launch_pdl": True} if pdl else {})))
+    options = {k: v for k, v in _launch(pdl).items() if k != "PDL"}  # as the kit launches it (PDL: a constexpr)
+    options.update(_options or {})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, **options))
     lines = (re.sub(r"//.*", "", line).strip() for line in kernel.asm["ptx"].split(".section")[0].splitlines())
     return [line for line in lines if line]
 
@@ -105,3 +109,14 @@ def test_the_gemv_loads_its_first_pre_blocks_of_weights_before_the_wait():
         lines = _ptx("gemv_kernel", True, PRE=pre, **qkv)
         before.append(sum(bool(re.search(LOAD, line)) for line in lines[:_first(lines, r"griddepcontrol\.wait")]))
     assert before[0] >= 1 and before[1] >= 5 * before[0], before
+
+
+def test_the_kernels_contract_multiply_adds_as_they_were_checked():
+    """FP fusion is part of the kit's launch (``decode_kernels._launch``), not Triton's default (3.9 warns that 3.10
+    turns it off): the rotary kernel's ``x * cos + rot * sin`` compiles to fused multiply-adds, and without it to
+    separate multiplies and adds, so the option reaches the compiler and decides the bits."""
+    assert _launch(False)["enable_fp_fusion"] is True and _launch(True)["enable_fp_fusion"] is True
+    fused = _ptx("rope_attn_partial_kernel", False)
+    unfused = _ptx("rope_attn_partial_kernel", False, _options={"enable_fp_fusion": False})
+    assert any(re.match(r"fma\.rn\.f32", line) for line in fused)
+    assert not any(re.match(r"fma\.rn\.f32", line) for line in unfused)

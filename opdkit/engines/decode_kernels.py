@@ -180,9 +180,13 @@ def pdl_available(device) -> bool:
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(cuda, "gdc_wait")
 
 
-def _pdl(pdl: bool) -> dict:
-    """The launch arguments of a kernel with (``pdl``) or without programmatic dependent launch."""
-    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
+def _launch(pdl: bool) -> dict:
+    """The launch arguments of every kernel here, with (``pdl``) or without programmatic dependent launch. FP
+    fusion (a multiply and an add contracted into one FMA where the code does not round between them) is asked
+    for, not left to Triton's default: it was on in every Triton these kernels were checked and measured with,
+    and Triton 3.9 warns that its default turns it off in 3.10, which would change the decoder's float32 sums
+    (rotary, the GEMV epilogue, the softmax) in their last bits."""
+    return dict(PDL=pdl, enable_fp_fusion=True, **({"launch_pdl": True} if pdl else {}))
 
 
 def _next_pow2(n: int) -> int:
@@ -228,10 +232,10 @@ def rope_attention(qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_
         plan.m, plan.l, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G, GP=max(16, _next_pow2(G)), D=D,
         CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, IEEE=qkv_B_X.dtype == torch.float32,
         STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **_pdl(plan.pdl))
+        **_launch(plan.pdl))
     out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
     k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
-                               D=D, **_pdl(plan.pdl))
+                               D=D, **_launch(plan.pdl))
     return out_B_H_D
 
 
@@ -239,7 +243,7 @@ def rms_norm(x_B_H: torch.Tensor, weight_H: torch.Tensor, eps: float, pdl: bool 
     k = _kernels()
     B, N = x_B_H.shape
     out_B_H = torch.empty((B, N), dtype=x_B_H.dtype, device=x_B_H.device)
-    k["rms_norm"][(B,)](x_B_H, weight_H, out_B_H, N, eps, x_B_H.stride(0), BLOCK=_next_pow2(N), **_pdl(pdl))
+    k["rms_norm"][(B,)](x_B_H, weight_H, out_B_H, N, eps, x_B_H.stride(0), BLOCK=_next_pow2(N), **_launch(pdl))
     return out_B_H
 
 
@@ -249,7 +253,7 @@ def add_rms_norm(h_B_H: torch.Tensor, r_B_H: torch.Tensor, weight_H: torch.Tenso
     B, N = h_B_H.shape
     out_B_H = torch.empty((B, N), dtype=h_B_H.dtype, device=h_B_H.device)
     k["add_rms_norm"][(B,)](h_B_H, r_B_H, weight_H, out_B_H, N, eps, h_B_H.stride(0), r_B_H.stride(0),
-                            BLOCK=_next_pow2(N), **_pdl(pdl))
+                            BLOCK=_next_pow2(N), **_launch(pdl))
     return h_B_H, out_B_H
 
 
@@ -258,7 +262,7 @@ def silu_mul(gu_B_X: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     B, inter = gu_B_X.shape[0], gu_B_X.shape[1] // 2
     out_B_I = torch.empty((B, inter), dtype=gu_B_X.dtype, device=gu_B_X.device)
     BLOCK = 1024
-    k["silu_mul"][(B, -(-inter // BLOCK))](gu_B_X, out_B_I, inter, gu_B_X.stride(0), BLOCK=BLOCK, **_pdl(pdl))
+    k["silu_mul"][(B, -(-inter // BLOCK))](gu_B_X, out_B_I, inter, gu_B_X.stride(0), BLOCK=BLOCK, **_launch(pdl))
     return out_B_I
 
 
@@ -310,19 +314,19 @@ def _gumbel_blocks(raw_B_V, seeds_B, t_1, plan: GumbelPlan, nucleus: bool = Fals
         grid, stride = (B, plan.nblk), raw_B_V.stride(0)
         plan.hist.zero_()
         k["nucleus_hist"][grid](raw_B_V, plan.tau_1, plan.hist, plan.bmax, plan.n_vocab, stride, NBLK=plan.nblk,
-                                BLOCK=plan.block, TEMPERED=tempered, num_warps=plan.warps, **_pdl(plan.pdl))
+                                BLOCK=plan.block, TEMPERED=tempered, num_warps=plan.warps, **_launch(plan.pdl))
         k["nucleus_mass"][(B, 65536 // plan.CH)](
             raw_B_V, plan.tau_1, plan.hist, plan.bmax, plan.cmass, plan.ccnt, NBLK=plan.nblk, NBP=nbp, CH=plan.CH,
-            TEMPERED=tempered, num_warps=4, **_pdl(plan.pdl))
+            TEMPERED=tempered, num_warps=4, **_launch(plan.pdl))
         k["nucleus_pick"][(B,)](raw_B_V, plan.tau_1, plan.p_1, plan.hist, plan.bmax, plan.cmass, plan.ccnt, plan.skey,
                                 NBLK=plan.nblk, NBP=nbp, CH=plan.CH, TEMPERED=tempered, num_warps=8,
-                                **_pdl(plan.pdl))
+                                **_launch(plan.pdl))
         k["nucleus_ties"][grid](raw_B_V, plan.skey, plan.ties, plan.n_vocab, stride, NBLK=plan.nblk,
-                                BLOCK=plan.block, num_warps=plan.warps, **_pdl(plan.pdl))
+                                BLOCK=plan.block, num_warps=plan.warps, **_launch(plan.pdl))
     k["gumbel"][(B, plan.nblk)](
         raw_B_V, seeds_B, t_1, plan.tau_1, plan.val, plan.idx, plan.m, plan.s, plan.n_vocab, raw_B_V.stride(0),
         plan.inv_tau, plan.skey, plan.ties, NBLK=plan.nblk, BLOCK=plan.block, TEMPERED=tempered, NUCLEUS=nucleus,
-        NBP=nbp, num_warps=plan.warps, **_pdl(plan.pdl))
+        NBP=nbp, num_warps=plan.warps, **_launch(plan.pdl))
 
 
 def gumbel_argmax(raw_B_V, seeds_B, t_1, plan: GumbelPlan) -> torch.Tensor:
@@ -359,7 +363,7 @@ def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok
         raw_B_V, plan.val, plan.idx, plan.m, plan.s, t_1, eos_E, eos_E.numel(), ids_B_T, logp_B_T, tok_B, pos_B,
         done_B.view(torch.uint8), raw_B_V.stride(0), ids_B_T.stride(0), plan.inv_tau, NBLK=plan.nblk,
         NBP=_next_pow2(plan.nblk), NEP=_next_pow2(max(1, eos_E.numel())), TEMPERED=plan.temperature != 1.0,
-        **_pdl(plan.pdl))
+        **_launch(plan.pdl))
 
 
 # --- the projections at a small batch (GEMV) ------------------------------------------------------
@@ -414,18 +418,18 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     ieee = x_B_K.dtype == torch.float32
     k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
                     K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
-                    SILU=silu, IEEE=ieee, PRE=pre, num_warps=warps, num_stages=stages, **_pdl(pdl))
+                    SILU=silu, IEEE=ieee, PRE=pre, num_warps=warps, num_stages=stages, **_launch(pdl))
     if add_norm is not None and split > 1:  # the partials' sum, the residual add and the norm: one kernel
         h_B_N, weight_N, eps = add_norm
         if silu or h_B_N.stride(1) != 1:
             raise ValueError("gemv add_norm: a plain projection and a unit-stride residual expected")
         k["gemv_reduce_add_norm"][(B,)](part, bias, h_B_N, weight_N, out_B_N, N, eps, h_B_N.stride(0), BP=BP,
                                         BLOCK=_next_pow2(N), SPLIT=split, HAS_BIAS=b_X is not None,
-                                        **_pdl(pdl))
+                                        **_launch(pdl))
         return h_B_N, out_B_N
     if split > 1:
         k["gemv_reduce"][(-(-N // 64),)](part, bias, out_B_N, B, N, BP=BP, BLOCK_N=64, SPLIT=split,
-                                         HAS_BIAS=b_X is not None, SILU=silu, num_warps=4, **_pdl(pdl))
+                                         HAS_BIAS=b_X is not None, SILU=silu, num_warps=4, **_launch(pdl))
     return out_B_N if add_norm is None else add_rms_norm(add_norm[0], out_B_N, add_norm[1], add_norm[2], pdl)
 
 
