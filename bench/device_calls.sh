@@ -68,6 +68,9 @@
 #   v3: carry .lane              the decoder's and the GEMV's GPU tests in test_gpu.py; one S1 step's scoring and update at
 #                                7,168 new tokens, packed, with the unchecked layers (s1_speed.py update): times, FLOP
 #                                rate, kernels and the ops that launched them (~6 min)
+#   w0: carry .lane              the GPU tests (tests/test_gpu.py, the decoder's and the kernels' files) after the launch
+#                                options pinned FP fusion (48ac587) and the checkpointing switch moved to its new name
+#                                (1058438) (~4 min)
 #   w1: carry .lane              S1 as issue 31 times it: 7,168 new tokens, 4 steps (steps 2-4); 1,024, 4 steps; the static
 #                                decoder at 1,024 beside the weights-only bound measured in the same call (~6 min)
 #   w2: carry .lane              (after w1, the machine still warm) S1 at 7,168 new tokens, 4 steps, twice (~5 min)
@@ -269,6 +272,9 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168_best 3 150 --kit /tmp/kit_best -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
     s1_run s1_1024_best 4 90 --kit /tmp/kit_best -S rollout.max_new_tokens=1024
+    ;;
+  w0)
+    decoder_tests 230
     ;;
   w1)
     s1_run s1_7168 4 150 -S rollout.max_new_tokens=7168
