@@ -267,7 +267,8 @@ class OptimConfig:
         if not 0.0 <= self.lr < float("inf"):  # NaN, inf or a negative rate would train to non-finite or away
             raise ConfigError(f"params key 'optim.lr': expected a finite learning rate >= 0, got {self.lr!r}")
         check_at_least("optim", {"min_lr": (self.min_lr, 0.0, ""), "warmup_steps": (self.warmup_steps, 0, ""),
-                                 "micro_batch": (self.micro_batch, 0, "0 = the whole step at once")})
+                                 "micro_batch": (self.micro_batch, 0, "0 = the whole step at once"),
+                                 "weight_decay": (self.weight_decay, 0.0, "")})
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ def test_bad_overrides_name_the_key(override, needle):
     ("budget.max_wall_time_s=-1", r"'budget\.max_wall_time_s': expected >= 0", "budget.max_wall_time_s=0"),
     ("optim.micro_batch=-1", r"'optim\.micro_batch': expected >= 0 \(0 = the whole step at once\)",
      "optim.micro_batch=0"),
+    ("optim.weight_decay=-0.1", r"'optim\.weight_decay': expected >= 0", "optim.weight_decay=0"),
     ("data.max_rows=-5", r"'data\.max_rows': expected >= 0 \(0 = all rows\)", "data.max_rows=0"),
     ("eval.max_questions=-1", r"'eval\.max_questions': expected >= 0", "eval.max_questions=0"),
     ("rollout.batch_size=-1", r"'rollout\.batch_size': expected >= 0", "rollout.batch_size=0"),
