@@ -337,6 +337,12 @@ def test_each_comparison_lists_what_the_arm_changed_and_flags_runs_not_trained_a
         for i in (0, 1)], baseline="rkl")
     assert same["comparisons"]["rerun"]["changes"] == {}
     assert "rerun vs rkl: trained alike (the same settings and data)" in format_report(same)
+    lost = report(paths[:4] + [write_eval(tmp_path / "eval" / "jsd2.json", "jsd", 2, 0.52, model="/moved")],
+                  baseline="rkl")
+    assert lost["confounds"]["jsd"].startswith("jsd: 1 of its runs evaluated a model with no opdkit.json (not a "
+                                               "checkpoint of opdkit train, or moved): what they were trained with is "
+                                               "not compared; jsd was trained on other data")  # (d3 since above)
+    assert lost["comparisons"]["jsd"]["changes"] == {"data_fingerprint": ["d1", "d3"], "loss.name": ["rkl", "jsd"]}
 
 
 def test_a_stray_run_folder_does_not_change_the_report(evals, tmp_path, capsys):

@@ -184,24 +184,27 @@ def train_settings(eval_json: dict) -> dict | None:
     return {**settings, **{k: record.get(k) for k in RECORD_SETTINGS}}
 
 
-def arm_settings(runs: list[dict], group_key: str) -> tuple[dict, dict]:
-    """Per group of ``runs`` (``load_evals``'s records), the ``train_settings`` its runs share (None where no
-    run of it is a checkpoint of ``opdkit train``) and, where its runs differ, ``{key: [each run's value]}``
-    (runs in ``runs``' order; None for a run without settings)."""
-    shared, varies = {}, {}
+def arm_settings(runs: list[dict], group_key: str) -> tuple[dict, dict, dict]:
+    """Per group of ``runs`` (``load_evals``'s records): the ``train_settings`` its runs share (None where no
+    run of it is a checkpoint of ``opdkit train``); where those runs differ, ``{key: [each one's value]}`` (in
+    ``runs``' order); and the number of its runs whose settings are unknown (their model no such checkpoint),
+    where some are known."""
+    shared, varies, unknown = {}, {}, {}
     for name in dict.fromkeys(r[group_key] for r in runs):
         each = [train_settings(json.loads(Path(r["file"]).read_text())) for r in runs if r[group_key] == name]
         known = [x for x in each if x is not None]
         if not known:
             shared[name] = None
             continue
+        if len(known) < len(each):
+            unknown[name] = len(each) - len(known)
         keys = sorted(set().union(*known))
-        differ = {k: [None if x is None else x.get(k) for x in each] for k in keys
-                  if len({json.dumps(x.get(k), sort_keys=True) for x in known}) > 1 or len(known) < len(each)}
+        differ = {k: [x.get(k) for x in known] for k in keys
+                  if len({json.dumps(x.get(k), sort_keys=True) for x in known}) > 1}
         shared[name] = {k: known[0].get(k) for k in keys if k not in differ}
         if differ:
             varies[name] = differ
-    return shared, varies
+    return shared, varies, unknown
 
 
 def setting_changes(baseline: dict | None, arm: dict | None, unshared: frozenset = frozenset()) -> dict | None:
@@ -308,9 +311,13 @@ def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm
                  train_s=float(np.mean(secs)) if secs else None,
                  code_revisions=sorted({r for r in revs if r}))
     wall_mismatch = _wall_mismatch(groups, baseline)
-    settings, varies = arm_settings(runs, group_key)
+    settings, varies, unknown = arm_settings(runs, group_key)
     confounds = {name: [f"{name}'s runs were not trained alike: " + "; ".join(
         f"{k} {', '.join(map(repr, v))}" for k, v in diff.items())] for name, diff in varies.items()}
+    for name, n in unknown.items():
+        confounds.setdefault(name, []).append(
+            f"{name}: {n} of its runs evaluated a model with no opdkit.json (not a checkpoint of opdkit train, or "
+            "moved): what they were trained with is not compared")
     comparisons, skipped = {}, {}
     if baseline is not None:
         if baseline not in groups:
