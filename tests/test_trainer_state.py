@@ -18,7 +18,7 @@ from opdkit.config import load_config
 from opdkit.persist import tensor_files, trainer_state
 from opdkit.persist.fsutil import StorageError
 from opdkit.scoring import unwrap
-from opdkit.setup import build_run, prepare_inputs
+from opdkit.setup import RunError, build_run, prepare_inputs
 from student_weights import trainable_state
 
 BASE = ["runtime.threads=1", "budget.max_steps=4", "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant",
@@ -171,6 +171,24 @@ def test_a_damaged_state_is_refused_with_what_to_do(tmp_path):
     (tmp_path / "state" / "trainer_state-3").mkdir(parents=True)
     (tmp_path / "state" / "trainer_state-3" / "meta.pt").write_bytes(b"not a pickle")
     with pytest.raises(Exception, match=r"trainer state .*trainer_state-3 cannot be read .* move it away"):
+        trainer_state.peek(tmp_path)
+
+
+def test_a_state_whose_tensor_file_is_cut_short_or_missing_is_refused_when_chosen(tmp_path):
+    """meta.pt intact but rank0.bin truncated (or gone): peek accepted it and the restore found it, after the
+    start had rewritten config.yaml and run.json; peek refuses it now, naming the file and what to do."""
+    live = _run()
+    _step(live)
+    path = trainer_state.save(tmp_path, live, step=1, elapsed=1.0, data_pos=4, log=lambda *_: None)
+    assert trainer_state.peek(tmp_path)["step"] == 1
+    data = (path / "rank0.bin").read_bytes()
+    (path / "rank0.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RunError, match=rf"trainer state .*trainer_state-1: rank0.bin is {len(data) // 2} bytes but "
+                                       rf"rank0.json places tensors up to byte {len(data)}: the file is truncated; "
+                                       r"move .*trainer_state-1 away to resume from an older state"):
+        trainer_state.peek(tmp_path)
+    (path / "rank0.bin").unlink()
+    with pytest.raises(RunError, match=r"No such file or directory: .*rank0.bin'; move .*trainer_state-1 away"):
         trainer_state.peek(tmp_path)
 
 

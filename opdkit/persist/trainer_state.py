@@ -86,6 +86,18 @@ def find(out: str | os.PathLike, state_dir: str = "") -> Path | None:
     return legacy if legacy.is_file() else None
 
 
+def check_tensor_files(path: Path, ranks: int) -> None:
+    """Every rank's tensor file of the state directory ``path`` (``ranks`` of them) and its index are there,
+    and the file is as long as the index says: a state cut short or pruned is found when it is chosen, before
+    a start records itself (config.yaml, run.json), not when its tensors are read. ``ValueError`` otherwise."""
+    for r in range(ranks):
+        index, data = path / f"rank{r}.json", path / f"rank{r}.bin"
+        end = max((e["pos"] + e["nbytes"] for e in json.loads(index.read_text())), default=0)
+        if data.stat().st_size < end:
+            raise ValueError(f"{data.name} is {data.stat().st_size} bytes but {index.name} places tensors up to byte "
+                             f"{end}: the file is truncated")
+
+
 def peek(out: str | os.PathLike, state_dir: str = "") -> dict | None:
     """What the state of ``out`` says (``step``, ``elapsed_s``, ``data_pos``, ``config``, ...; its
     ``path``), without reading its tensors; None for a fresh run. Raises ``RunError`` if it is damaged."""
@@ -100,6 +112,11 @@ def peek(out: str | os.PathLike, state_dir: str = "") -> dict | None:
     except Exception as e:  # written atomically, so this is damage from outside, not a crash of ours
         raise RunError(f"trainer state {path} cannot be read ({type(e).__name__}: {e}); "
                        "move it away to start this run from scratch, or use another output directory") from None
+    try:
+        check_tensor_files(path, meta.get("ranks", 0))  # (the previous version's DCP states: no ranks recorded)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # as _read_into would say it
+        raise RunError(f"trainer state {path}: {e}; move {path} away to resume from an older state (or start "
+                       "afresh), or use another output directory") from None
     return {**meta, "path": path}
 
 
