@@ -189,7 +189,9 @@ def test_the_record_of_a_start_that_saved_nothing_is_taken_over_only_by_the_same
     for name in ("config.yaml", "run.json", "metrics"):
         (shutil.copytree if (src / name).is_dir() else shutil.copy)(src / name, out / name)
     before = snapshot(out)
-    with pytest.raises(RunError, match=r"holds a run \(step 4\) with other params \(loss.name: 'rkl' -> 'k1'\)"):
+    with pytest.raises(RunError, match=r"holds a run \(step 4\) with other params \(loss.name: 'rkl' -> 'k1'\).*"
+                                       r"saved no trainer state and no checkpoint: to start this run there instead, "
+                                       r"move away its record \(config.yaml, run.json, metrics\)"):
         train(cfg("budget.max_steps=4", "loss.name=k1"), out, log=lambda s: None, progress=False)
     assert snapshot(out) == before
     preflight(cfg("budget.max_steps=9", "publish.every_steps=3"), out)  # the same run, its budget changed: fine

@@ -179,7 +179,12 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
         # begins again and takes its record (run.json's run_id, its metrics rows, the wall time it spent), so it
         # must be the same run; nothing of it was trained on, so its budget (the schedule's horizon) may change
         started = {k: v for k, v in started.items() if k != "budget"}
-        check_resumable(cfg, inputs, {"config": started, "step": _run_json(out).get("step", 0)}, out)
+        try:
+            check_resumable(cfg, inputs, {"config": started, "step": _run_json(out).get("step", 0)}, out)
+        except RunError as e:
+            record = ", ".join(n for n in ("config.yaml", "run.json", "metrics", "dvclive") if (out / n).exists())
+            raise RunError(f"{e}. That start saved no trainer state and no checkpoint: to start this run there "
+                           f"instead, move away its record ({record}): nothing trained is lost") from None
 
 
 def trim_metrics(out: Path, step: int) -> float:
