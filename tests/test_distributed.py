@@ -138,7 +138,7 @@ def _loss_as_opd_computes_it(model) -> torch.Tensor:
         logp = head(h_leaf[:, s:s + 4]).float().log_softmax(-1)
         loss = -logp.gather(-1, ids[:, s:s + 4, None]).mean()
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     h.backward(h_leaf.grad)
     return total
 
