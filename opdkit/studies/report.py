@@ -165,11 +165,10 @@ NOT_SETTINGS = ("seed", "experiment_name", "runtime.state_dir", "pipeline.")
 RECORD_SETTINGS = ("data_fingerprint",)
 
 
-def train_settings(eval_json: dict) -> dict | None:
-    """What the checkpoint an eval JSON evaluated was trained with: its params flattened to dotted keys
-    (``{"loss.name": "rkl", ...}``) less ``NOT_SETTINGS``, with its record's ``RECORD_SETTINGS``; None when
-    its ``model`` is not a checkpoint of ``opdkit train``."""
-    record = checkpoint_record(eval_json)
+def train_settings(record: dict | None) -> dict | None:
+    """What a checkpoint was trained with, from its ``opdkit.json`` ``record`` (``checkpoint_record``): its params
+    flattened to dotted keys (``{"loss.name": "rkl", ...}``) less ``NOT_SETTINGS``, with the record's
+    ``RECORD_SETTINGS``; None without a record (the eval's model is not a checkpoint of ``opdkit train``)."""
     if record is None or not isinstance(record.get("params"), dict):
         return None
 
@@ -184,14 +183,14 @@ def train_settings(eval_json: dict) -> dict | None:
     return {**settings, **{k: record.get(k) for k in RECORD_SETTINGS}}
 
 
-def arm_settings(runs: list[dict], group_key: str) -> tuple[dict, dict, dict]:
-    """Per group of ``runs`` (``load_evals``'s records): the ``train_settings`` its runs share (None where no
-    run of it is a checkpoint of ``opdkit train``); where those runs differ, ``{key: [each one's value]}`` (in
-    ``runs``' order); and the number of its runs whose settings are unknown (their model no such checkpoint),
-    where some are known."""
+def arm_settings(runs: list[dict], group_key: str, records: dict) -> tuple[dict, dict, dict]:
+    """Per group of ``runs`` (``load_evals``'s records; ``records``: each one's ``checkpoint_record`` by its
+    ``file``): the ``train_settings`` its runs share (None where no run of it is a checkpoint of ``opdkit
+    train``); where those runs differ, ``{key: [each one's value]}`` (in ``runs``' order); and the number of its
+    runs whose settings are unknown (their model no such checkpoint), where some are known."""
     shared, varies, unknown = {}, {}, {}
     for name in dict.fromkeys(r[group_key] for r in runs):
-        each = [train_settings(json.loads(Path(r["file"]).read_text())) for r in runs if r[group_key] == name]
+        each = [train_settings(records[r["file"]]) for r in runs if r[group_key] == name]
         known = [x for x in each if x is not None]
         if not known:
             shared[name] = None
@@ -303,15 +302,16 @@ def report(paths: list[Path], baseline: str | None = None, group_key: str = "arm
     runs = load_evals(paths, group_key)
     runs.sort(key=lambda r: (str(r[group_key]), str(r["seed"])))
     groups = summarize_runs(runs, group_key=group_key)
+    records = {r["file"]: checkpoint_record(json.loads(Path(r["file"]).read_text())) for r in runs}
     for name, g in groups.items():
         mine = [r for r in runs if r[group_key] == name]
         secs = [r["train_s"] for r in mine if "train_s" in r]
-        revs = [(checkpoint_record(json.loads(Path(r["file"]).read_text())) or {}).get("code_revision") for r in mine]
+        revs = [(records[r["file"]] or {}).get("code_revision") for r in mine]
         g.update(steps=_tag(mine, "step"), match="baseline" if name == baseline else _tag(mine, "match"),
                  train_s=float(np.mean(secs)) if secs else None,
                  code_revisions=sorted({r for r in revs if r}))
     wall_mismatch = _wall_mismatch(groups, baseline)
-    settings, varies, unknown = arm_settings(runs, group_key)
+    settings, varies, unknown = arm_settings(runs, group_key, records)
     confounds = {name: [f"{name}'s runs were not trained alike: " + "; ".join(
         f"{k} {', '.join(map(repr, v))}" for k, v in diff.items())] for name, diff in varies.items()}
     for name, n in unknown.items():
