@@ -218,6 +218,9 @@ class RolloutConfig:
                                    "prompts_per_step": (self.prompts_per_step, 1, ""),
                                    "samples_per_prompt": (self.samples_per_prompt, 1, ""),
                                    "batch_size": (self.batch_size, 0, "0 = the whole step's at once")})
+        if self.overlap not in (0, 1):
+            raise ConfigError(f"params key 'rollout.overlap': expected 0 (on-policy) or 1 (one-step-off rollouts), "
+                              f"got {self.overlap!r}")
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,8 @@ class LossConfig:
                               f"got {self.jsd_beta!r}")
         if not (self.dual_clip == 0.0 or self.dual_clip > 1.0):
             raise ConfigError(f"params key 'loss.dual_clip': expected 0 (off) or > 1, got {self.dual_clip!r}")
+        if not self.teacher_temperature > 0.0:  # NaN fails too
+            raise ConfigError(f"params key 'loss.teacher_temperature': expected > 0, got {self.teacher_temperature!r}")
 
 
 @dataclass(frozen=True)
@@ -322,7 +327,8 @@ class PublishConfig:
             raise ConfigError(str(e)) from None
         check_at_least("publish", {"every_steps": (self.every_steps, 0, "0 = at the end only"),
                                    "state_every_steps": (self.state_every_steps, -1, "-1 = with every export"),
-                                   "retries": (self.retries, 0, ""), "backoff_s": (self.backoff_s, 0.0, "")})
+                                   "retries": (self.retries, 0, ""), "backoff_s": (self.backoff_s, 0.0, ""),
+                                   "keep": (self.keep, 1, ""), "keep_states": (self.keep_states, 1, "")})
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,11 @@ def test_bad_overrides_name_the_key(override, needle):
     ("loss.dual_clip=0.5", r"'loss\.dual_clip': expected 0 \(off\) or > 1", "loss.dual_clip=0"),
     ("publish.every_steps=-1", r"'publish\.every_steps': expected >= 0 \(0 = at the end only\)",
      "publish.every_steps=0"),
+    ("publish.keep=0", r"'publish\.keep': expected >= 1, got 0", "publish.keep=1"),
+    ("publish.keep_states=0", r"'publish\.keep_states': expected >= 1, got 0", "publish.keep_states=1"),
+    ("rollout.overlap=2", r"'rollout\.overlap': expected 0 \(on-policy\) or 1", "rollout.overlap=1"),
+    ("loss.teacher_temperature=0", r"'loss\.teacher_temperature': expected > 0, got 0\.0",
+     "loss.teacher_temperature=0.01"),
 ])
 def test_out_of_range_values_name_the_key_and_the_range(override, needle, edge):
     """A value of the right type but outside its range is refused with the params, not run: a negative

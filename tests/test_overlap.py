@@ -210,7 +210,6 @@ def test_an_engine_that_reads_the_live_model_is_refused(tiny_llama, tok):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["rollout.overlap=2"], "must be 0"),
     (["rollout.overlap=1", "loss.name=sft", "loss.sft_source=reference"], "does not sample the student"),
     # the reward term's per-token ratio corrects neither the stale prefix nor the sequence-level reward
     (["rollout.overlap=1", "loss.name=rkl", "loss.reward_weight=0.5"], "reward_weight=0.5 with rollout.overlap=1"),
