@@ -131,7 +131,8 @@ def cmd_eval(args) -> int:
             check_gpu_free()
         device = pick_device(cfg.runtime)
         model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
-        summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet)
+        summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet,
+                                    log=lambda line: print(line, file=sys.stderr))
     summary.update(model=str(args.model),
                    data=str(data_paths[0]) if len(data_paths) == 1 else [str(d) for d in data_paths],
                    **protocol_record(cfg.eval, summary["n_questions"]))

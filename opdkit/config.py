@@ -339,7 +339,7 @@ class EvalConfig:
     temperature: float = 0.7
     top_p: float = 0.9
     max_new_tokens: int = 64
-    batch_size: int = 512  # sequences per generate call
+    batch_size: int = 512  # sequences per decode call at most; fewer where they would not fit in memory (evaluate)
     seed: int = 1234
     max_questions: int = 0  # 0 = every question of the eval split
     prompt_format: str = ""  # "" = data.prompt_format; else one of its choices (the benchmark's prompt)

@@ -21,20 +21,72 @@ from opdkit.data import Example, encode_prompt
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
 from opdkit.grading import grade_many
+from opdkit.memory import ModelShape, device_memory, free_device_bytes, layer_activation_bytes, shape_of
 from opdkit.stats import clustered_accuracy
+
+# the share of the memory free once the model and its decoder are in place that one decode call's rows may fill
+DECODE_MEMORY_SHARE = {"cuda": 0.8, "cpu": 0.5}  # the CPU's generate grows its cache by copies
+
+
+def row_bytes(shape: ModelShape, slots: int, prompt_tokens: int, max_new_tokens: int, cache_bytes: int) -> int:
+    """Bytes one sequence of a decode call holds (an estimate, as ``opdkit.memory``'s): its KV cache of ``slots``
+    positions at ``cache_bytes`` a value (the static decoder's: its prompt slots, ``max_new_tokens`` and one graph's
+    steps), its sampled ids and log-probs, three rows of logits in float32 (the raw logits, the sampler's scores
+    and their float32 copy), and one layer's activations over the ``prompt_tokens`` while they are prefilled."""
+    kv = slots * shape.layers * 2 * shape.kv * cache_bytes
+    out = max_new_tokens * (8 + 4)
+    logits = 3 * 4 * shape.rows
+    prefill = prompt_tokens * layer_activation_bytes(shape.hidden, shape.kv, shape.intermediate, cache_bytes)
+    return kv + out + logits + prefill
+
+
+def decode_rows(batch_size: int, per_row: int, available: int, share: float, max_new_tokens: int) -> int:
+    """Sequences per decode call: ``eval.batch_size`` (``batch_size``), or as many as fill ``share`` of the
+    ``available`` bytes at ``per_row`` bytes each (``row_bytes``) where fewer; ``ConfigError`` where not even one
+    fits, naming ``eval.max_new_tokens``. (Before, every call took ``batch_size`` rows: the caches of 512 rows x
+    12,560 slots of a 1.5B qwen2, math500_proxy's, alone are ~184 GB, more than an H200 has.)"""
+    fit = int(share * available) // max(1, per_row)
+    if fit < 1:
+        raise ConfigError(f"eval: one sequence of eval.max_new_tokens={max_new_tokens} needs ~{per_row / 2**30:.2f} "
+                          f"GiB to decode (its KV cache and logits) and {available / 2**30:.2f} GiB are free "
+                          f"({share:.0%} of it usable): lower eval.max_new_tokens or free memory")
+    return min(batch_size, fit)
 
 
 def sample_answers(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
-                   progress: bool = True) -> list[dict]:
-    """One record per (question, sample): ids, completion text, token count, truncated flag."""
+                   progress: bool = True, available: int | None = None, log=None) -> list[dict]:
+    """One record per (question, sample): ids, completion text, token count, truncated flag. Each decode
+    call takes whole questions' samples, at most ``eval.batch_size`` sequences and no more than fit in the
+    memory free once the model and its decoder are in place (``available`` bytes: by default measured on the
+    model's device; ``decode_rows``; a question's n samples over several calls where fewer than n fit). The
+    records do not depend on how the calls are cut (each sample has its own seed). ``log``: told the rows per
+    call where memory lowers them."""
+    prompts_all = [encode_prompt(ex, tokenizer, data) for ex in examples]
+    device = next(model.parameters()).device
     engine = HFEngine(model, tokenizer)
     n = ev.n_samples
-    per_call = max(1, ev.batch_size // n)  # questions per generate call
+    shape = shape_of(model)
+    width, dec = max((len(p) for p in prompts_all), default=0), engine.decoder
+    if dec is not None:  # the static decoder's session: prompt slots in whole blocks, the new tokens, a graph's steps
+        slots = -(-width // dec.prompt_slots) * dec.prompt_slots + ev.max_new_tokens + dec.steps_per_graph
+        per_row = row_bytes(shape, slots, width, ev.max_new_tokens, dec.dtype.itemsize)
+    else:  # generate's cache, in the model's dtype
+        per_row = row_bytes(shape, width + ev.max_new_tokens, width, ev.max_new_tokens,
+                            next(model.parameters()).itemsize)
+    if available is None:
+        available = free_device_bytes(device) if device.type == "cuda" else device_memory(device)[1]
+    share = DECODE_MEMORY_SHARE.get(device.type, 0.5)
+    rows = decode_rows(ev.batch_size, per_row, available, share, ev.max_new_tokens)
+    if rows < ev.batch_size and rows < len(examples) * n and log is not None:
+        log(f"eval: {rows} sequences per decode call, not eval.batch_size={ev.batch_size}: ~{per_row / 2**20:,.0f} "
+            f"MiB each (prompt + {ev.max_new_tokens:,} new tokens), {available / 2**30:.1f} GiB free")
+    engine.batch_size = rows if rows < n else 0  # a question's samples split over calls only where they must be
+    per_call = max(1, rows // n)  # questions per generate call
     records = []
     bar = tqdm(total=len(examples), desc="eval", unit="q", disable=not progress)
     for start in range(0, len(examples), per_call):
         chunk = examples[start:start + per_call]
-        prompts = [encode_prompt(ex, tokenizer, data) for ex in chunk]
+        prompts = prompts_all[start:start + per_call]
         seeds = [sample_seed(ev.seed, 0, (start + i) * n + j) for i in range(len(chunk)) for j in range(n)]
         ro = engine.sample(prompts, samples_per_prompt=n, seeds=seeds, temperature=ev.temperature,
                            top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
@@ -84,16 +136,16 @@ def summarize(records: list[dict]) -> dict:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
-             progress: bool = True) -> tuple[dict, list[dict]]:
-    """Sample, grade (in the main thread: math-verify uses signals) and summarise. The prompt format is
-    ``eval.prompt_format`` ("" = ``data.prompt_format``), the chat template's enable_thinking
-    ``eval.enable_thinking``."""
+             progress: bool = True, log=None) -> tuple[dict, list[dict]]:
+    """Sample (``sample_answers``; ``log`` as there), grade (in the main thread: math-verify uses signals) and
+    summarise. The prompt format is ``eval.prompt_format`` ("" = ``data.prompt_format``), the chat template's
+    enable_thinking ``eval.enable_thinking``."""
     if ev.max_questions:
         examples = examples[: ev.max_questions]
     if ev.prompt_format:
         data = dataclasses.replace(data, prompt_format=ev.prompt_format)
     data = dataclasses.replace(data, enable_thinking=ev.enable_thinking)  # the benchmark's, not training's
-    records = sample_answers(model, tokenizer, examples, data, ev, progress)
+    records = sample_answers(model, tokenizer, examples, data, ev, progress, log=log)
     grades = grade_many([r["completion"] for r in records], [r["answer"] for r in records])
     for r, g in zip(records, grades):
         r.update(pred=g["pred"], correct=bool(g["correct"]), has_box=bool(g["has_box"]), graded_by=g["graded_by"])

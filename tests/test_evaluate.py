@@ -87,3 +87,51 @@ def test_an_out_that_is_a_directory_is_refused_before_evaluating(tmp_path, cfg, 
     err = capsys.readouterr().err
     assert err.startswith(f"opdkit: error: --out {tmp_path / 'e'}: {tmp_path / 'e'} is a directory"), err
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == [tmp_path / "e"]
+
+
+def test_a_decode_call_holds_what_the_static_decoders_session_allocates_per_row():
+    """``row_bytes``' KV term is the static decoder's cache per row (``static._Session``: keys and values of
+    (B, kv heads, prompt slots + new tokens + 64, head size) per layer), counted here from tensors of those
+    shapes on the meta device; at the 1.5B qwen2 shape and math500_proxy's 12,288 new tokens, 512 rows' caches
+    alone take ~184 GB, so an H200's ~130 free GB take fewer rows per call."""
+    from opdkit.evaluate import decode_rows, row_bytes
+    from opdkit.memory import ModelShape
+
+    shape = ModelShape(params=1_777_088_000, trainable=1_777_088_000, layers=28, hidden=1536, kv=2 * 128,
+                       intermediate=8960, rows=151_936)
+    prompt, new = 240, 12_288
+    slots = 256 + new + 16  # the session's: prompt slots in blocks of 256, the new tokens, a graph's 16 steps
+    per_row = row_bytes(shape, slots, prompt, new, cache_bytes=2)
+    one = torch.zeros((1, 2, slots, 128), dtype=torch.bfloat16, device="meta")
+    kv = 2 * shape.layers * one.untyped_storage().nbytes()
+    assert kv == 2 * 28 * 2 * 12_560 * 128 * 2
+    assert kv < per_row < 1.15 * kv  # the cache is most of a row: one layer's prefill (~8%), logits and ids the rest
+    assert 512 * kv > 184e9 and 512 * per_row < 205e9
+    rows = decode_rows(512, per_row, available=130 * 2**30, share=0.8, max_new_tokens=new)
+    assert rows == int(0.8 * 130 * 2**30) // per_row and 250 < rows < 512
+    assert decode_rows(512, per_row, available=2**50, share=0.8, max_new_tokens=new) == 512  # the cap
+    with pytest.raises(ConfigError, match=r"max_new_tokens=12288 needs ~0\.3\d GiB .* lower eval\.max_new_tokens"):
+        decode_rows(512, per_row, available=2**28, share=0.8, max_new_tokens=new)
+
+
+def test_eval_cuts_its_decode_calls_to_the_memory_free_and_samples_the_same(cfg):
+    """Where fewer rows fit than eval.batch_size (here 3 of a question's 4 samples), the calls are cut (a
+    question's samples over two calls) and every record is the same as with all rows in one call: each
+    sample has its own seed."""
+    from opdkit.data import encode_prompt
+    from opdkit.evaluate import DECODE_MEMORY_SHARE, row_bytes, sample_answers
+    from opdkit.memory import shape_of
+
+    torch.set_num_threads(1)
+    path = paths.student_path(cfg)
+    model, tok = load_model(path, torch.device("cpu")), load_tokenizer(path)
+    ev = replace(cfg, "eval.n_samples=4").eval
+    examples = load_examples(paths.eval_data_path(cfg), cfg.data)[:5]
+    whole = sample_answers(model, tok, examples, cfg.data, ev, progress=False, available=2**50)
+    width = max(len(encode_prompt(ex, tok, cfg.data)) for ex in examples)
+    per_row = row_bytes(shape_of(model), width + ev.max_new_tokens, width, ev.max_new_tokens, cache_bytes=4)
+    lines = []
+    cut = sample_answers(model, tok, examples, cfg.data, ev, progress=False,
+                         available=int(3.5 * per_row / DECODE_MEMORY_SHARE["cpu"]), log=lines.append)
+    assert lines and lines[0].startswith("eval: 3 sequences per decode call, not eval.batch_size=512")
+    assert cut == whole and len(whole) == 20
