@@ -119,8 +119,11 @@ def _selection(**keys: str) -> tuple[str, ...]:
 OPSD_SWITCHES: dict[str, dict[str, tuple[str, ...]]] = {
     # right: the released collator's [prompt][pads][completion] (the alignment check keeps its span part there)
     "OPSD_PAD_SIDE": {"right": ("data.pad_side=right",), "left": ("data.pad_side=left",)},
-    # paper: the released collator's student message; eval: byte-identical to the benchmark's prompt
-    "OPSD_STUDENT_PROMPT": {"paper": ("data.prompt_format=opsd_student",), "eval": ("data.prompt_format=opsd_eval",)},
+    # paper: the released collator's student message, without thinking (its student_thinking defaults to false);
+    # eval: byte-identical to the benchmark's prompt, as the benchmark renders it (the evaluator's message with
+    # thinking on: the OPSD recipes' eval.enable_thinking), so the student then samples in thinking mode
+    "OPSD_STUDENT_PROMPT": {"paper": ("data.prompt_format=opsd_student", "data.enable_thinking=false"),
+                            "eval": ("data.prompt_format=opsd_eval", "data.enable_thinking=true")},
     "OPSD_TEACHER_CONTEXT": {v: (f"data.teacher_context={v}",) for v in ("solution", "cot", "both")},
     # entry: min(p_T log(p_T/p_S), tau) per vocabulary entry; token: a direction-preserving cap per token
     "OPSD_CLIP_MODE": {v: (f"loss.clip={v}",) for v in ("entry", "token")},

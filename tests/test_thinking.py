@@ -91,6 +91,41 @@ def test_the_opsd_recipe_renders_the_released_collators_prompts_byte_for_byte(fx
     assert render_prompt(ex, tok, on.data).endswith("<|im_start|>assistant\n")
 
 
+def test_the_eval_student_prompt_switch_gives_the_benchmarks_prompt_byte_for_byte(fx, monkeypatch):
+    """Seed 004's OPSD_STUDENT_PROMPT=eval is "byte-identical to the benchmark prompt": the student's rendered prompt
+    is the one `opdkit eval` renders for the benchmark (its message and its eval.enable_thinking, on), token for
+    token. It was the evaluator's message under the student's switch (off): Qwen3's empty think block more.
+    paper stays the released collator's prompt, without thinking."""
+    import opdkit.evaluate as evaluate
+    from opdkit.recipes import opsd_overrides
+
+    class Rendered(Exception):
+        pass
+
+    seen = []
+
+    def sample_answers(model, tokenizer, examples, data, ev, *args, **kwargs):  # the benchmark's data config
+        seen.append(data)
+        raise Rendered
+
+    monkeypatch.setattr(evaluate, "sample_answers", sample_answers)
+    tok = load_tokenizer(fx / "qwen3")
+    for value in ("eval", "paper"):
+        cfg = load_config(None, ROOT / "recipes" / "opsd_released.yaml",
+                          opsd_overrides({"OPSD_STUDENT_PROMPT": value}))
+        rows = load_examples(fx / "data" / "eval.parquet", cfg.data)[:4]
+        with pytest.raises(Rendered):
+            evaluate.evaluate(None, tok, rows, cfg.data, cfg.eval, progress=False)
+        bench = seen.pop()
+        for ex in rows:
+            student, benchmark = render_prompt(ex, tok, cfg.data), render_prompt(ex, tok, bench)
+            if value == "eval":
+                assert student == benchmark and encode_prompt(ex, tok, cfg.data) == encode_prompt(ex, tok, bench)
+            else:
+                assert student == jinja_render(json.loads((fx / "qwen3" / "tokenizer_config.json").read_text())[
+                    "chat_template"], released_student(ex.problem_text), enable_thinking=False) != benchmark
+
+
 def test_a_template_without_the_switch_renders_the_same_either_way(fx):
     """Qwen2.5's template (the fixture's student; DeepSeek-R1-Distill-Qwen's is alike) does not read it."""
     tok = load_tokenizer(fx / "student")
