@@ -94,3 +94,26 @@ def test_the_readme_is_a_map():
     head = "\n".join(lines[:15])
     assert 'pip install -e ".[dev]" && dvc repro' in head and 'pip install -e ".[dev]" && pytest' in head
     assert re.search(r"-m pytest", (ROOT / ".ci" / "run").read_text())
+
+
+# seed 002, "Formal replay": the orchestrator supplies these five variables and invokes exactly `bash run.sh`;
+# checkpoints go to /out/checkpoints/checkpoint-<progress>/ (OUTPUT_DIR, CKPT_DIR, EXPERIMENT_NAME are the probes')
+ORCHESTRATOR = ("STUDENT_MODEL", "TEACHER_MODEL", "TRAIN_DATA", "MAX_WALL_TIME_SECONDS", "DEADLINE_RESERVE_SECONDS")
+
+
+def test_the_docs_give_s1s_formal_replay_only_the_orchestrators_variables_and_the_contracts_out():
+    """docs/replays.md listed OUTPUT_DIR, EXPERIMENT_NAME and CKPT_DIR among the orchestrator's variables and its
+    formal replay command set OUTPUT_DIR=out (checkpoints outside /out/checkpoints); docs/design.md gave OUTPUT_DIR's
+    default as out, where run.sh writes to /out when it is there."""
+    replays = (ROOT / "docs" / "replays.md").read_text()
+    listed = re.search(r"with only the orchestrator's variables \(([^)]*)\)", replays)[1]
+    assert tuple(re.findall(r"`([A-Z_]+)`", listed)) == ORCHESTRATOR
+    row = next(line for line in replays.splitlines() if line.startswith("| S1's formal replay"))
+    command = re.search(r"`([^`]*bash run\.sh)`", row)[1]
+    assert tuple(re.findall(r"\b([A-Z_]+)=", command)) == ORCHESTRATOR
+    evals = next(line for line in replays.splitlines() if line.startswith("| S1's evaluations"))
+    assert "--model /out/checkpoints/checkpoint-" in evals
+    design = (ROOT / "docs" / "design.md").read_text()
+    default = re.search(r"`OUTPUT_DIR` \(default ([^)]*)\)", design)[1]
+    assert default.startswith("`/out`") and "`./out`" in default
+    assert 'contract_out="${OPDKIT_CONTRACT_OUT:-/out}"' in (ROOT / "run.sh").read_text()  # what run.sh does
