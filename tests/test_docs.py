@@ -117,3 +117,23 @@ def test_the_docs_give_s1s_formal_replay_only_the_orchestrators_variables_and_th
     default = re.search(r"`OUTPUT_DIR` \(default ([^)]*)\)", design)[1]
     assert default.startswith("`/out`") and "`./out`" in default
     assert 'contract_out="${OPDKIT_CONTRACT_OUT:-/out}"' in (ROOT / "run.sh").read_text()  # what run.sh does
+
+
+def test_fidelity_says_where_each_replay_differs_from_its_seeded_run():
+    """The seeded runs' own behaviours the replays do not copy, each with its reason (docs/fidelity.md): S1's
+    baseline published only after a clean trainer return, its formal run saved HF weights only, CompassVerifier; the
+    OPSD scripts' top-k 20 sampling and a per-device batch the seeds do not give, against their measured pad offsets;
+    and replays.md's account of the alignment check and the OPSD order is the code's."""
+    text = (ROOT / "docs" / "fidelity.md").read_text()
+    section = text.split("## Where the replays differ from the seeded runs", 1)[1].split("\n## ", 1)[0]
+    for needle in ("after a clean trainer return", "HF-only saves", "CompassVerifier", "top-k 20", "device_batch: 1",
+                   "292", "weight decay", "embedded default", "Errno-70"):
+        assert needle in section, needle
+    replays = (ROOT / "docs" / "replays.md").read_text()
+    from opdkit.config import RuntimeConfig
+    from opdkit.recipes import load_config
+
+    share = RuntimeConfig().alignment_max_weight0_share
+    assert f"`runtime.alignment_max_weight0_share` ({share:g})" in " ".join(replays.split())
+    assert load_config(None, ROOT / "recipes" / "opsd_released.yaml").data.order == "hf_trainer"
+    assert "shuffles with its own seed" not in replays
