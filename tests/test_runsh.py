@@ -285,6 +285,7 @@ def test_run_sh_maps_the_opsd_switches_and_refuses_unknown_ones(tmp_path):
     cfg = _resolve(argv)
     assert (cfg.loss.clip, cfg.data.pad_side, cfg.runtime.alignment_check, cfg.data.prompt_format,
             cfg.data.teacher_context, cfg.loss.clip_tau) == ("token", "left", True, "opsd_eval", "cot", 0.1)
+    assert cfg.data.enable_thinking == cfg.eval.enable_thinking  # the eval prompt as the benchmark renders it
     for bad, needle in ((dict(OPSD_PAD_SIDE="middle"), "OPSD_PAD_SIDE=middle: expected one of right, left"),
                         (dict(OPSD_PADSIDE="left"), "unknown OPSD switch OPSD_PADSIDE"),
                         (dict(OPSD_WAVG_LAST="5"), "tail weight averaging is not implemented")):
