@@ -345,11 +345,19 @@ class EvalConfig:
     prompt_format: str = ""  # "" = data.prompt_format; else one of its choices (the benchmark's prompt)
     # the chat template's enable_thinking for the benchmark's prompts (the released OPSD evaluator's default: true)
     enable_thinking: bool = True
+    # hf: the kit's decoder (on CUDA the static-cache one), whole questions per call, as many rows as fit in memory
+    # | vllm: a vLLM engine built from the model's directory, every question in one continuously batched call
+    # (samples seeded per request by vLLM's sampler: other samples than hf's for the same seeds)
+    engine: str = "hf"
+    gpu_memory_utilization: float = 0.8  # engine=vllm: its share of the GPU (KV cache and all)
 
     def __post_init__(self):
         check_at_least("eval", {"temperature": (self.temperature, 0.0, "0 = greedy"),
                                 "n_samples": (self.n_samples, 1, ""), "max_new_tokens": (self.max_new_tokens, 1, ""),
                                 "max_questions": (self.max_questions, 0, "0 = every question")})
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"params key 'eval.gpu_memory_utilization': expected a share of the GPU in (0, 1], got "
+                              f"{self.gpu_memory_utilization!r}")
 
 
 @dataclass(frozen=True)
@@ -555,6 +563,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "eval.prompt_format": ("",) + PROMPT_FORMATS,
     "runtime.device_lock": ("auto", "always", "never"),
     "rollout.engine": ("auto", "hf", "vllm"),
+    "eval.engine": ("hf", "vllm"),
     "rollout.source": ("live", "offline"),
     "rollout.offline_ratio": ("behaviour", "none"),
     "loss.name": LOSS_NAMES,

@@ -55,33 +55,21 @@ def decode_rows(batch_size: int, per_row: int, available: int, share: float, max
 
 def sample_answers(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
                    progress: bool = True, available: int | None = None, log=None) -> list[dict]:
-    """One record per (question, sample): ids, completion text, token count, truncated flag. Each decode
-    call takes whole questions' samples, at most ``eval.batch_size`` sequences and no more than fit in the
-    memory free once the model and its decoder are in place (``available`` bytes: by default measured on the
-    model's device; ``decode_rows``; a question's n samples over several calls where fewer than n fit). The
-    records do not depend on how the calls are cut (each sample has its own seed). ``log``: told the rows per
-    call where memory lowers them."""
+    """One record per (question, sample): ids, completion text, token count, truncated flag. ``eval.engine=hf``:
+    each decode call takes whole questions' samples, at most ``eval.batch_size`` sequences and no more than fit in
+    the memory free once the model and its decoder are in place (``available`` bytes: by default measured on the
+    model's device; ``decode_rows``; a question's n samples over several calls where fewer than n fit); the records
+    do not depend on how the calls are cut (each sample has its own seed). ``eval.engine=vllm``: every question in
+    one call to ``vllm_engine``'s engine. ``log``: told the rows per call where memory lowers them."""
     prompts_all = [encode_prompt(ex, tokenizer, data) for ex in examples]
-    device = next(model.parameters()).device
-    engine = HFEngine(model, tokenizer)
-    n = ev.n_samples
-    shape = shape_of(model)
-    width, dec = max((len(p) for p in prompts_all), default=0), engine.decoder
-    if dec is not None:  # the static decoder's session: prompt slots in whole blocks, the new tokens, a graph's steps
-        slots = -(-width // dec.prompt_slots) * dec.prompt_slots + ev.max_new_tokens + dec.steps_per_graph
-        per_row = row_bytes(shape, slots, width, ev.max_new_tokens, dec.dtype.itemsize)
-    else:  # generate's cache, in the model's dtype
-        per_row = row_bytes(shape, width + ev.max_new_tokens, width, ev.max_new_tokens,
-                            next(model.parameters()).itemsize)
-    if available is None:
-        available = free_device_bytes(device) if device.type == "cuda" else device_memory(device)[1]
-    share = DECODE_MEMORY_SHARE.get(device.type, 0.5)
-    rows = decode_rows(ev.batch_size, per_row, available, share, ev.max_new_tokens)
-    if rows < ev.batch_size and rows < len(examples) * n and log is not None:
-        log(f"eval: {rows} sequences per decode call, not eval.batch_size={ev.batch_size}: ~{per_row / 2**20:,.0f} "
-            f"MiB each (prompt + {ev.max_new_tokens:,} new tokens), {available / 2**30:.1f} GiB free")
-    engine.batch_size = rows if rows < n else 0  # a question's samples split over calls only where they must be
-    per_call = max(1, rows // n)  # questions per generate call
+    width, n = max((len(p) for p in prompts_all), default=0), ev.n_samples
+    if ev.engine == "vllm":
+        engine, per_call = vllm_engine(model, tokenizer, ev, width), max(1, len(examples))
+    else:
+        engine = HFEngine(model, tokenizer)
+        rows = _rows_that_fit(model, engine, ev, width, available, len(examples) * n, log)
+        engine.batch_size = rows if rows < n else 0  # a question's samples split over calls only where they must be
+        per_call = max(1, rows // n)  # questions per generate call
     records = []
     bar = tqdm(total=len(examples), desc="eval", unit="q", disable=not progress)
     for start in range(0, len(examples), per_call):
@@ -89,7 +77,7 @@ def sample_answers(model, tokenizer, examples: list[Example], data: DataConfig, 
         prompts = prompts_all[start:start + per_call]
         seeds = [sample_seed(ev.seed, 0, (start + i) * n + j) for i in range(len(chunk)) for j in range(n)]
         ro = engine.sample(prompts, samples_per_prompt=n, seeds=seeds, temperature=ev.temperature,
-                           top_p=ev.top_p, max_new_tokens=ev.max_new_tokens)
+                           top_p=ev.top_p, max_new_tokens=ev.max_new_tokens, logprobs=False)
         lengths = ro.completion_mask_B_T.sum(dim=1).long().tolist()
         for b in range(ro.completion_ids_B_T.shape[0]):
             ex = chunk[b // n]
@@ -134,6 +122,42 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
+def _rows_that_fit(model, engine: HFEngine, ev: EvalConfig, width: int, available: int | None, total: int,
+                   log) -> int:
+    """``decode_rows`` for ``engine`` and prompts of up to ``width`` tokens (``available``: None = measured)."""
+    device, dec = next(model.parameters()).device, engine.decoder
+    if dec is not None:  # the static decoder's session: prompt slots in whole blocks, the new tokens, a graph's steps
+        slots = -(-width // dec.prompt_slots) * dec.prompt_slots + ev.max_new_tokens + dec.steps_per_graph
+        per_row = row_bytes(shape_of(model), slots, width, ev.max_new_tokens, dec.dtype.itemsize)
+    else:  # generate's cache, in the model's dtype
+        per_row = row_bytes(shape_of(model), width + ev.max_new_tokens, width, ev.max_new_tokens,
+                            next(model.parameters()).itemsize)
+    if available is None:
+        available = free_device_bytes(device) if device.type == "cuda" else device_memory(device)[1]
+    rows = decode_rows(ev.batch_size, per_row, available, DECODE_MEMORY_SHARE.get(device.type, 0.5),
+                       ev.max_new_tokens)
+    if rows < min(ev.batch_size, total) and log is not None:
+        log(f"eval: {rows} sequences per decode call, not eval.batch_size={ev.batch_size}: ~{per_row / 2**20:,.0f} "
+            f"MiB each (prompt + {ev.max_new_tokens:,} new tokens), {available / 2**30:.1f} GiB free")
+    return rows
+
+
+def vllm_engine(model, tokenizer, ev: EvalConfig, prompt_tokens: int):
+    """``eval.engine=vllm``: the rollouts' vLLM engine (``opdkit.engines.vllm.VLLMEngine``, the padding rows cut
+    from its head) built from ``model``'s own directory with ``model``'s weights pushed into it: up to
+    ``eval.batch_size`` sequences decoded at once (continuous batching: a finished sample's slot takes the next),
+    ``eval.gpu_memory_utilization`` of the GPU, ``prompt_tokens`` + ``eval.max_new_tokens`` positions."""
+    from opdkit.config import Config, RolloutConfig
+    from opdkit.engines.vllm import VLLMEngine
+
+    rollout = RolloutConfig(engine="vllm", prompts_per_step=ev.batch_size, samples_per_prompt=1,
+                            max_new_tokens=ev.max_new_tokens, max_prompt_tokens=max(1, prompt_tokens),
+                            gpu_memory_utilization=ev.gpu_memory_utilization)
+    engine = VLLMEngine(Config(seed=ev.seed, rollout=rollout), model, tokenizer)
+    engine.sync_weights(model)
+    return engine
+
+
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
              progress: bool = True, log=None) -> tuple[dict, list[dict]]:
@@ -156,7 +180,7 @@ def protocol_record(ev: EvalConfig, n_questions: int) -> dict:
     """What the eval JSON records about the protocol: the eval params that define the measurement and,
     for a preset, whether this evaluation is a complete one (every question of its benchmark)."""
     keys = ("protocol", "n_samples", "temperature", "top_p", "max_new_tokens", "seed", "prompt_format",
-            "enable_thinking")
+            "enable_thinking", "engine")
     out: dict = {"eval_params": {k: getattr(ev, k) for k in keys}}
     if ev.protocol in PROTOCOLS:
         expected = PROTOCOLS[ev.protocol].n_questions

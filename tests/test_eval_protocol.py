@@ -47,7 +47,8 @@ def test_custom_keeps_the_values_and_the_avg12_preset_leaves_unfixed_keys_free()
     assert (custom.protocol, custom.n_samples, custom.max_new_tokens) == ("custom", 3, 9)
     assert protocol_record(custom, 5) == {"eval_params": {"protocol": "custom", "n_samples": 3, "temperature": 0.7,
                                                           "top_p": 0.9, "max_new_tokens": 9, "seed": 1234,
-                                                          "prompt_format": "", "enable_thinking": True}}
+                                                          "prompt_format": "", "enable_thinking": True,
+                                                          "engine": "hf"}}
     ev = config_from_dict({}, ["eval.protocol=aime24_avg12", "eval.temperature=0.6", "eval.max_new_tokens=100"]).eval
     assert (ev.temperature, ev.max_new_tokens, ev.n_samples, ev.prompt_format) == (0.6, 100, 12, "opsd_eval")
     # a preset switched back to custom keeps its values as custom ones

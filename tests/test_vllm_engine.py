@@ -346,3 +346,40 @@ def test_vllm_samples_the_live_student(qwen2_dir):
     opt.zero_grad()
     engine.sync_weights(model)
     assert not torch.equal(engine.sample(prompts, **kw).completion_ids_B_T, ro.completion_ids_B_T)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (the vllm CI lane, or pip install -e '.[vllm]' on a GPU machine)")
+def test_opdkit_eval_through_vllm_samples_the_checkpoint_seeded(qwen2_dir, tmp_path):
+    """``opdkit eval -S eval.engine=vllm``, as a user runs it (a process of its own: one vLLM engine a
+    process): every question's n samples, only the tokenizer's ids, the engine recorded in the eval JSON, and
+    the same completions from a second run (each request seeded)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from opdkit import paths
+    from opdkit.config import Config
+    from opdkit.models import load_tokenizer
+
+    def run(out):
+        argv = [sys.executable, "-m", "opdkit", "eval", "--quiet", "--model", str(qwen2_dir), "--out", str(out),
+                "--data", str(paths.eval_data_path(Config())), "-p", "none", "-S", "eval.engine=vllm",
+                "-S", "eval.max_questions=6", "-S", "eval.n_samples=3", "-S", "eval.max_new_tokens=16",
+                "-S", "eval.temperature=1.0", "-S", "eval.top_p=1.0", "-S", "eval.gpu_memory_utilization=0.2"]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(out.read_text()), [json.loads(line) for line in out.with_suffix(".jsonl").open()]
+
+    summary, records = run(tmp_path / "a.json")
+    assert summary["n_questions"] == 6 and summary["n_samples"] == 18 and len(records) == 18
+    assert summary["eval_params"]["engine"] == "vllm"
+    assert [(r["id"], r["sample"]) for r in records[:3]] == [(records[0]["id"], j) for j in range(3)]
+    assert all(0 < r["n_tokens"] <= 16 for r in records) and any(r["truncated"] for r in records)
+    tok = load_tokenizer(qwen2_dir)
+    assert all(len(tok(r["completion"], add_special_tokens=False).input_ids) <= 16 for r in records)
+    assert len({r["completion"] for r in records}) > 9  # sampled, not one string repeated
+    _, again = run(tmp_path / "b.json")
+    assert [r["completion"] for r in again] == [r["completion"] for r in records]

