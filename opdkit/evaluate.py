@@ -148,8 +148,11 @@ def vllm_engine(model, tokenizer, ev: EvalConfig, prompt_tokens: int):
     ``eval.batch_size`` sequences decoded at once (continuous batching: a finished sample's slot takes the next),
     ``eval.gpu_memory_utilization`` of the GPU, ``prompt_tokens`` + ``eval.max_new_tokens`` positions."""
     from opdkit.config import Config, RolloutConfig
-    from opdkit.engines.vllm import VLLMEngine
+    from opdkit.engines.vllm import VLLMEngine, available
 
+    if not available():
+        raise ConfigError('eval.engine=vllm needs vLLM: pip install -e ".[vllm]" (docs/scaling_out.md says which '
+                          "version matches your torch); or leave eval.engine at hf")
     rollout = RolloutConfig(engine="vllm", prompts_per_step=ev.batch_size, samples_per_prompt=1,
                             max_new_tokens=ev.max_new_tokens, max_prompt_tokens=max(1, prompt_tokens),
                             gpu_memory_utilization=ev.gpu_memory_utilization)

@@ -135,3 +135,14 @@ def test_eval_cuts_its_decode_calls_to_the_memory_free_and_samples_the_same(cfg)
                          available=int(3.5 * per_row / DECODE_MEMORY_SHARE["cpu"]), log=lines.append)
     assert lines and lines[0].startswith("eval: 3 sequences per decode call, not eval.batch_size=512")
     assert cut == whole and len(whole) == 20
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_eval_through_vllm_without_vllm_says_what_to_install(cfg):
+    from opdkit.evaluate import sample_answers
+
+    path = paths.student_path(cfg)
+    model, tok = load_model(path, torch.device("cpu")), load_tokenizer(path)
+    examples = load_examples(paths.eval_data_path(cfg), cfg.data)[:2]
+    with pytest.raises(ConfigError, match=r"eval\.engine=vllm needs vLLM: pip install -e \"\.\[vllm\]\".*at hf"):
+        sample_answers(model, tok, examples, cfg.data, replace(cfg, "eval.engine=vllm").eval, progress=False)
