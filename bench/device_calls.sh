@@ -74,6 +74,9 @@
 #   w1: carry .lane              S1 as issue 31 times it: 7,168 new tokens, 4 steps (steps 2-4); 1,024, 4 steps; the static
 #                                decoder at 1,024 beside the weights-only bound measured in the same call (~6 min)
 #   w2: carry .lane              (after w1, the machine still warm) S1 at 7,168 new tokens, 4 steps, twice (~5 min)
+#   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
+#                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
+#                                (eval_times.txt) and their summaries (~6 min)
 #   t: carry .lane .v0 (any part) the GPU tests only (~3 min); copy: carry one part, keep it in /tmp/vparts (seconds)
 #   d: carry .lane .whl (vLLM in /tmp/site) the signal lane with vLLM in the process
 #                                (bench/signal_lane.sh, ~6 min), then the vLLM teacher's tests (the fixture needs datasets,
@@ -280,6 +283,17 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168 4 150 -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
     lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    ;;
+  e1)
+    for eng in hf vllm; do
+      t0=$(date +%s)
+      lim 280 python3 -m opdkit eval --quiet --model "$R/s1/student" --data "$R/s1/train.jsonl" --out "$R/eval_$eng.json" \
+        -p none -S eval.engine=$eng -S eval.max_questions=64 -S eval.n_samples=4 -S eval.max_new_tokens=2048 \
+        >> "$OUT/parts.txt" 2>&1
+      echo "eval.engine=$eng: $(( $(date +%s) - t0 )) s in all (64 questions x 4 samples x 2,048 new tokens)" \
+        >> "$OUT/eval_times.txt"
+      cp "$R/eval_$eng.json" "$OUT/" 2>/dev/null
+    done
     ;;
   w2)
     s1_run s1_7168_2 4 150 -S rollout.max_new_tokens=7168
