@@ -55,7 +55,14 @@ def recipe_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     parent = raw.pop("extends", None)
     if parent is None:
         return raw
-    return overlay(recipe_tree(p.parent / str(parent), _seen + (p,)), raw)
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"recipe {path}: 'extends' expected a recipe file (relative to {p.parent}), got {parent!r}")
+    base = p.parent / parent
+    if not base.is_file():  # else the error named only the missing file, not the recipe that extends it
+        what = "is a directory, not a YAML file" if base.is_dir() else "does not exist"
+        raise ConfigError(f"recipe {path}: 'extends: {parent}' names {base}, which {what} (a path relative to the "
+                          "recipe's folder)")
+    return overlay(recipe_tree(base, _seen + (p,)), raw)
 
 
 def _named_recipe(raw: dict, params: str | Path | None,

@@ -193,6 +193,19 @@ def test_a_typo_in_a_recipe_names_the_key(tmp_path):
         load_config(None, tmp_path / "loop.yaml")
 
 
+def test_a_missing_extends_names_the_recipe_that_extends_it(tmp_path):
+    """'extends' naming a file that is not there said only 'recipe .../gone.yaml does not exist': not which recipe
+    named it (a chain may be several files long), nor that the path is relative to that recipe's folder."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.yaml").write_text("extends: gone.yaml\nloss:\n  name: k1\n")
+    with pytest.raises(ConfigError, match=r"recipe .*sub/child\.yaml: 'extends: gone\.yaml' names .*sub/gone\.yaml, "
+                                          r"which does not exist \(a path relative to the recipe's folder\)"):
+        load_config(None, tmp_path / "sub" / "child.yaml")
+    (tmp_path / "sub" / "list.yaml").write_text("extends: [a.yaml, b.yaml]\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml: 'extends' expected a recipe file .*got \['a\.yaml'"):
+        load_config(None, tmp_path / "sub" / "list.yaml")
+
+
 def _opdkit(argv: list[str], cwd: Path, capsys, monkeypatch) -> tuple[int, str]:
     """``opdkit ARGV`` run in ``cwd`` by the CLI's own entry point in this process (``python -m opdkit`` is
     ``raise SystemExit(main())``; a fresh interpreter would spend seconds importing torch): its exit status and
