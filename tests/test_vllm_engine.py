@@ -424,3 +424,50 @@ def test_opdkit_train_through_vllm_passes_its_alignment_check_and_resumes(qwen2_
     train(3)
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "completed" and run["step"] == 3 and run["final_checkpoint"] == "checkpoint-3"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="needs vllm (the vllm CI lane, or pip install -e '.[vllm]' on a GPU machine)")
+def test_a_group_sigterm_during_a_vllm_rollout_abandons_the_step_and_saves_the_last(qwen2_dir, tmp_path):
+    """The signal lane's third case (bench/signal_lane.sh) with vLLM in the trainer's process, on the CPU: the whole
+    process group gets SIGTERM 0.3 s into step 3's rollout (each engine step slowed by 20 ms, so that a rollout of this
+    tiny model lasts seconds); the rollout ends between engine steps, the command exits 143, run.json says the step
+    was abandoned, and step 2 is published and valid."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from opdkit.persist.checkpoints import validate_checkpoint
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "opdkit", "train", "--quiet", "--out", str(out), "-p", "none",
+            *(x for s in (f"student.path={qwen2_dir}", f"teacher.path={qwen2_dir}", "rollout.engine=vllm",
+                          "budget.max_steps=50", "budget.max_wall_time_s=0", "rollout.max_new_tokens=400",
+                          "rollout.max_prompt_tokens=64", "rollout.gpu_memory_utilization=0.2",
+                          "publish.every_steps=100", "publish.state_every_steps=0", "loss.name=k1",
+                          "optim.schedule=constant") for x in ("-S", s))]
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import time\nimport opdkit.interrupt as i\nreal = i.check_abandon\n"
+        "def slow():\n    time.sleep(0.02)\n    real()\ni.check_abandon = slow\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    rows = out / "metrics" / "train.jsonl"
+    deadline = time.monotonic() + 300
+    while not (rows.is_file() and len(rows.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=120)
+    err = proc.stderr.read()
+    assert rc == 143, err[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "stopped" and run["reason"] == "SIGTERM" and run["stop"]["abandoned_step"] is True
+    assert run["step"] == 2 and run["final_checkpoint"] == "checkpoint-2"
+    validate_checkpoint(out / "checkpoints" / "checkpoint-2")
