@@ -107,9 +107,24 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype = torc
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ModelError(f"{what} directory {p} could not be loaded: {e}") from None
     model.to(device)
+    check_finite_weights(model, p, what)
     if not trainable:
         model.eval().requires_grad_(False)
     return model
+
+
+def check_finite_weights(model, path: str | Path, what: str = "model") -> None:
+    """``ModelError`` naming the first tensor with a NaN or infinite value: such a model samples nothing that
+    means anything (an evaluation of it scored 0 and exited 0; training stopped on its first batch with an
+    alignment error that blamed padding). One max-abs reduction per tensor, as training checks its weights."""
+    from opdkit.guards import parameters_finite
+
+    params = list(model.parameters())
+    if parameters_finite(params):
+        return
+    bad = next((n for n, t in model.named_parameters() if not bool(torch.isfinite(t).all())), "?")
+    raise ModelError(f"{what} directory {path}: its weights hold NaN or infinite values (first: {bad}); copy or "
+                     f"export the model again (opdkit validate {path} checks a directory)")
 
 
 # Reference architectures (shapes only; random weights): the S1 student (a DeepSeek-R1-Distill-

@@ -45,13 +45,23 @@ def bad(tmp_path_factory) -> Path:
     (d / "empty.jsonl").write_text("")
     rows = [{"prompt": "Compute 1+1.", "answer": "2"}, {"prompt": "", "answer": "3"}]
     (d / "empty_prompt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for name in ("truncated", "no_tokenizer"):
+    for name in ("truncated", "no_tokenizer", "nan_weights"):
         shutil.copytree(asset("student"), d / name)
+    _plant_nan(d / "nan_weights" / "model.safetensors", "model.layers.1.mlp.up_proj.weight")
     weights = (d / "truncated" / "model.safetensors").read_bytes()
     (d / "truncated" / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # pruned: its header intact
     for f in (d / "no_tokenizer").glob("tokenizer*"):
         f.unlink()
     return d
+
+
+def _plant_nan(weights: Path, name: str) -> None:
+    """One NaN in tensor ``name`` of a safetensors file: the file stays whole (its header and sizes agree)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    tensors[name].view(-1)[7] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
 
 
 # (env, trailing args, what the one line must name)
@@ -117,8 +127,12 @@ def test_bad_input_fails_with_one_line_and_leaves_output_dir_as_it_was(bad_input
     assert (before is None) != existing
 
 
+NAN_NEEDLE = "its weights hold NaN or infinite values (first: model.layers.1.mlp.up_proj.weight)"
+
+
 @pytest.mark.parametrize("model, needle", [("truncated", "its weights are damaged: model.safetensors is "),
-                                           ("no_tokenizer", "its tokenizer cannot be loaded")])
+                                           ("no_tokenizer", "its tokenizer cannot be loaded"),
+                                           ("nan_weights", NAN_NEEDLE)])
 def test_eval_refuses_a_damaged_model_directory_in_one_line(bad, tmp_path, capsys, model, needle):
     """``opdkit eval`` gave a raw traceback (exit 1) for these, after loading the weights; now one line, exit 2,
     nothing written."""
@@ -128,10 +142,27 @@ def test_eval_refuses_a_damaged_model_directory_in_one_line(bad, tmp_path, capsy
     rc = main(["eval", "--model", str(bad / model), "--out", str(out), "-p", "none", "--quiet",
                "-S", "eval.max_questions=2"])
     err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if not ln.startswith("Loading weights")]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("Loading weights")]  # (its bar: \r)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"opdkit: error: model directory {bad / model}: "), err
     assert needle in lines[0] and "Traceback" not in err
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_training_refuses_a_student_or_teacher_with_non_finite_weights_in_one_line(bad, tmp_path, capsys):
+    """A NaN in the student's weights stopped training on its first batch with an alignment error that blamed
+    padding or positions (a traceback, exit 1); in the teacher's, the first step's loss went non-finite (exit 3).
+    Now the model that holds it is named, with the tensor, in one line (exit 2), before any step."""
+    from opdkit.cli import main
+
+    for role in ("student", "teacher"):
+        out = tmp_path / role
+        rc = main(["train", "--out", str(out), "-p", "none", "--quiet", "-S", f"{role}.path={bad / 'nan_weights'}",
+                   *[x for o in [*TINY, "budget.max_steps=1"] for x in ("-S", o)]])
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("Loading weights")]
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith(f"opdkit: error: {role} model directory {bad / 'nan_weights'}: "), err
+        assert NAN_NEEDLE in err[0]
+        assert not list_checkpoints(out / "checkpoints")
 
 
 def test_bad_nproc_is_refused_by_run_sh(tmp_path):
