@@ -30,8 +30,9 @@
 # was); 3 values went non-finite (nothing non-finite saved or published; the last good state and
 # checkpoints stay); 75 another run holds OUTPUT_DIR or CKPT_DIR, or an evaluation holds the GPU;
 # 128+N stopped by signal N (SIGTERM/SIGINT: after the step in flight, with its state and
-# checkpoint); otherwise the trainer's own status (1: a crash, a full or read-only disk, out of
-# memory), after a line that lists the checkpoints that survive and are valid.
+# checkpoint); otherwise the trainer's own status (1: a crash, a disk that fills or turns read-only
+# during the run, out of memory), after a line that lists the checkpoints that survive and are valid.
+# An OUTPUT_DIR or CKPT_DIR that cannot be written at all is bad input (2), refused before anything loads.
 set -euo pipefail
 # the wall budget counts from here (start-up included): the trainer reads it (opdkit/deadline.py started_at)
 export OPDKIT_LAUNCHED_AT="${OPDKIT_LAUNCHED_AT:-$(date +%s.%N)}"

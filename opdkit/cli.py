@@ -113,13 +113,19 @@ def _device_lock(cfg, shared: bool):
 def cmd_eval(args) -> int:
     cfg = _config(args)  # bad params are refused before torch is imported
     from opdkit import paths
+    from opdkit.config import ConfigError
     from opdkit.data import load_eval_examples
     from opdkit.evaluate import check_out, evaluate, parse_tags, protocol_record, write_eval
     from opdkit.models import check_model_dir, compute_dtype, load_model, pick_device, setup_torch
     from opdkit.pairs import tokenizer_of
+    from opdkit.persist.fsutil import unwritable
 
     tags = parse_tags(args.tag)  # a bad tag, or an --out that cannot be written, is refused before anything is run
     check_out(args.out)
+    for path in (Path(args.out), Path(args.out).with_suffix(".jsonl")):
+        if problem := unwritable(path):
+            raise ConfigError(f"--out {args.out}: {path} cannot be written: {problem}; name a file in a directory "
+                              "this process may write")
     setup_torch(cfg.runtime)
     data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
     examples = load_eval_examples(data_paths)

@@ -165,6 +165,77 @@ def test_training_refuses_a_student_or_teacher_with_non_finite_weights_in_one_li
         assert not list_checkpoints(out / "checkpoints")
 
 
+@pytest.fixture
+def read_only(tmp_path):
+    """A directory this process cannot write: its permissions, or (as root, whom they do not stop) a read-only bind
+    mount of it (skipped where mounting is not allowed)."""
+    import os
+
+    d = tmp_path / "read_only"
+    d.mkdir()
+    (d / "kept.txt").write_text("kept\n")
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    proc = subprocess.run(["mount", "--bind", str(d), str(d)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot bind-mount here ({(proc.stderr or proc.stdout).strip()})")
+    try:
+        proc = subprocess.run(["mount", "-o", "remount,bind,ro", str(d)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot remount read-only here ({(proc.stderr or proc.stdout).strip()})")
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _one_error_line(capsys) -> list[str]:
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "resolved config" not in out  # nothing started
+    return err.splitlines()
+
+
+@pytest.mark.parametrize("where", ["read-only", "under a file"])
+def test_train_refuses_an_output_dir_it_cannot_write_in_one_line(read_only, tmp_path, capsys, where):
+    """A read-only output directory (or one whose path runs through a file) ended in an OSError traceback (exit 1)
+    from the lock file or the mkdir, after the checks and the models had loaded; now one line, exit 2, before."""
+    from opdkit.cli import main
+
+    base = read_only if where == "read-only" else tmp_path / "a_file"
+    if where == "under a file":
+        base.touch()
+    for out in (base, base / "run"):
+        if where == "under a file" and out == base:
+            continue  # an output path that is a file: refused before (test_bad_input ...)
+        rc = main(["train", "--out", str(out), "-p", "none", "--quiet", "-S", "budget.max_steps=1"])
+        lines = _one_error_line(capsys)
+        expected = "is on a read-only file system" if where == "read-only" else f"{base} is not a directory"
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"opdkit: error: output directory {out} cannot be "
+                                                                   "written: "), lines
+        assert expected in lines[0] or "is not writable" in lines[0], lines
+    if where == "read-only":
+        assert sorted(p.name for p in read_only.iterdir()) == ["kept.txt"]
+
+
+@pytest.mark.parametrize("where", ["read-only", "under a file"])
+def test_eval_refuses_an_out_it_cannot_write_before_evaluating(read_only, tmp_path, capsys, where):
+    """``opdkit eval --out`` in a read-only directory evaluated every question (hours, on a real benchmark) and then
+    ended in an OSError traceback (exit 1); now one line, exit 2, before the model is loaded."""
+    from opdkit.cli import main
+
+    base = read_only if where == "read-only" else tmp_path / "a_file"
+    if where == "under a file":
+        base.touch()
+    out = base / "eval.json"
+    rc = main(["eval", "--model", str(asset("student")), "--out", str(out), "-p", "none", "--quiet",
+               "-S", "eval.max_questions=2"])
+    lines = _one_error_line(capsys)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"opdkit: error: --out {out}: "), lines
+    assert "cannot be written" in lines[0] and not any(ln.startswith("Loading weights") for ln in lines)
+
+
 def test_bad_nproc_is_refused_by_run_sh(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "run.sh")], cwd=tmp_path, text=True, capture_output=True, timeout=30,
                           env=env(OUTPUT_DIR=str(tmp_path / "out"), NPROC="two"))

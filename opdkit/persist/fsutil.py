@@ -118,6 +118,25 @@ def explain_storage_errors(directory: str | os.PathLike, nbytes: int, what: str)
         raise StorageError(exc.errno, msg) from exc
 
 
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be written (a file or directory there made, or an existing one written), or None.
+    Checked before a command runs, so that a read-only or foreign output place is refused in one line instead
+    of failing at the first write (after the models loaded, or after a whole evaluation). Reads only."""
+    target = Path(path).absolute()
+    where = target
+    while not where.exists() and where != where.parent:  # the nearest existing path: missing parts are made there
+        where = where.parent
+    if where != target and not where.is_dir():
+        return f"{where} is not a directory"
+    if os.access(where, os.W_OK | (os.X_OK if where.is_dir() else 0)):
+        return None
+    try:
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return f"{where} is on a read-only file system" if read_only else f"{where} is not writable (its permissions)"
+
+
 # --- durability -----------------------------------------------------------------------------
 
 

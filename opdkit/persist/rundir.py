@@ -24,7 +24,7 @@ from opdkit import distributed
 from opdkit.config import Config, dump_yaml, to_dict, yaml_problem
 from opdkit.persist import trainer_state
 from opdkit.persist.checkpoints import is_valid_checkpoint, surviving_checkpoints_message
-from opdkit.persist.fsutil import atomic_write_json, atomic_write_text, list_checkpoints
+from opdkit.persist.fsutil import atomic_write_json, atomic_write_text, list_checkpoints, unwritable
 from opdkit.schedules import should_stop
 from opdkit.setup import Inputs, RunError
 
@@ -152,6 +152,9 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
     if state_dir.exists() and not state_dir.is_dir():
         raise RunError(f"trainer state directory {state_dir}{' (runtime.state_dir)' if cfg.runtime.state_dir else ''} "
                        "exists and is not a directory; name a directory (it is created if missing)")
+    for path, what in ((out, "output directory"), (state_dir, "trainer state directory")):
+        if problem := unwritable(path):  # else the lock, config.yaml or the first save fails with a traceback
+            raise RunError(f"{what} {path} cannot be written: {problem}; choose a directory this process may write")
     state = trainer_state.peek(out, cfg.runtime.state_dir)
     if state is not None:
         check_resumable(cfg, inputs, state, out)
