@@ -382,3 +382,22 @@ def test_a_start_whose_budget_is_spent_behind_a_newer_checkpoint_ends_at_once_na
                                    *run), out)
     assert (result.reason, result.step, result.final_checkpoint) == ("wall_clock", 4, "checkpoint-6")
     assert "published " not in logs and [c.name for c in list_checkpoints(out / "checkpoints")][-1] == "checkpoint-6"
+    assert [r["step"] for r in metric_rows(out)] == list(range(1, 7))  # steps 5-6 were not trained again: kept
+
+
+def test_a_finished_run_whose_states_were_deleted_keeps_its_metrics_when_its_budget_is_spent(tmp_path):
+    """A run's trainer states deleted after it ended (they are for resuming, and several times the model's size),
+    then the same command again: with its wall budget spent no step fits, and the start took step 0 for a fresh
+    run, dropped every train.jsonl row (the DVCLive log with them), saved a trainer state at step 0 and recorded a
+    run completed at step 0. Now it ends at once, naming its newest checkpoint; the rows and the directory stay."""
+    out = tmp_path / "out"
+    run = ("budget.max_steps=6", "publish.every_steps=2", "optim.schedule=constant")
+    quiet_train(cfg(*run), out)
+    shutil.rmtree(out / "state")
+    rows, tracked = metric_rows(out), snapshot(out / "dvclive")
+    result, logs = quiet_train(cfg(*run, "budget.max_wall_time_s=1", "budget.deadline_reserve_s=0.99"), out)
+    assert (result.reason, result.final_checkpoint) == ("wall_clock", "checkpoint-6")
+    assert "checkpoint-6 is published: nothing to do" in logs and "published " not in logs.replace("is published", "")
+    assert metric_rows(out) == rows and snapshot(out / "dvclive") == tracked
+    assert not (out / "state").exists() or not list((out / "state").iterdir())  # no state of step 0
+    assert [c.name for c in list_checkpoints(out / "checkpoints")] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]

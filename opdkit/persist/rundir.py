@@ -190,26 +190,35 @@ def check_output_dir(out: Path, cfg: Config, inputs: Inputs) -> None:
                            f"instead, move away its record ({record}): nothing trained is lost") from None
 
 
-def trim_metrics(out: Path, step: int) -> float:
-    """Keep the metrics lines of steps <= ``step`` (a killed attempt may have written later ones, the
-    last maybe half); return the largest ``elapsed_s`` among the dropped lines (time that was spent)."""
+def _metric_lines(out: Path) -> list[tuple[str, dict]]:
+    """train.jsonl's rows with their lines (none: no file), less the torn last line of a killed attempt."""
     f = out / METRICS_FILE
     if not f.exists():
-        return 0.0
-    kept, lost_elapsed = [], 0.0
+        return []
+    rows = []
     for line in f.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # the torn last line of a killed attempt
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            continue
-        if row["step"] <= step:
-            kept.append(line)
-        else:
-            lost_elapsed = max(lost_elapsed, row.get("elapsed_s") or 0.0)
-    atomic_write_text(f, "".join(ln + "\n" for ln in kept))
-    return lost_elapsed
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append((line, row))
+    return rows
+
+
+def elapsed_after(out: Path, step: int) -> float:
+    """The largest ``elapsed_s`` of the metrics lines of steps after ``step`` (time that was spent); reads only."""
+    return max((row.get("elapsed_s") or 0.0 for _, row in _metric_lines(out) if row["step"] > step), default=0.0)
+
+
+def trim_metrics(out: Path, step: int) -> float:
+    """Keep the metrics lines of steps <= ``step`` (a killed attempt may have written later ones, the
+    last maybe half); return the largest ``elapsed_s`` among the dropped lines (time that was spent)."""
+    if not (out / METRICS_FILE).exists():
+        return 0.0
+    rows = _metric_lines(out)
+    atomic_write_text(out / METRICS_FILE, "".join(line + "\n" for line, row in rows if row["step"] <= step))
+    return max((row.get("elapsed_s") or 0.0 for _, row in rows if row["step"] > step), default=0.0)
 
 
 def is_published(out: Path, step: int) -> bool:
@@ -259,7 +268,7 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
         raise RunError("the ranks see different trainer states in "
                        f"{trainer_state.directory(out, cfg.runtime.state_dir)} (steps {seen}); with several nodes "
                        "the output directory must be one shared directory")
-    lost_elapsed = trim_metrics(out, step) if world.is_main else 0.0
+    lost_elapsed = elapsed_after(out, step) if world.is_main else 0.0  # those lines are dropped below
     newest = newest_checkpoint(out) if world.is_main else None
     spent = max(state["elapsed_s"] if state else 0.0, lost_elapsed,
                 (newest[1].get("elapsed_s") or 0.0) if newest else 0.0)
@@ -283,13 +292,20 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
         reason = should_stop(step, elapsed0 + time.monotonic() - t_start, 0.0, budget=cfg.budget)
         if reason is None and ended_on_the_wall_clock(previous, state, step, cfg):
             reason = "wall_clock"
-        reason, done = world.from_main((reason, bool(reason) and state is not None
-                                        and (ahead is not None or is_published(out, step))))
+        # ended already: no step fits (its budget is spent) and its newest checkpoint is published, by this state's
+        # start or by a later one whose state is gone (then the steps up to it could not be replayed in the budget)
+        reason, done = world.from_main((reason, bool(reason) and (ahead is not None
+                                                                  or (state is not None and is_published(out, step)))))
         if done:
+            if world.is_main:  # the rows of the steps its checkpoints hold stay (no step of this start replaces them)
+                trim_metrics(out, ahead if ahead is not None else step)
             log(f"this run already reached its end ({reason}) and checkpoint-{ahead or step} is published: "
                 "nothing to do")
             start.done = finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world,
                                 cfg.experiment_name)
+            return start
+    if world.is_main:
+        trim_metrics(out, step)  # the lines of steps after the state: this start trains them again
     return start
 
 
