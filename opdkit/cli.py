@@ -501,7 +501,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        status = args.fn(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return status
+    except BrokenPipeError:  # stdout's reader stopped early (`opdkit report ... | head`): it read what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises again
+        return 128 + signal.SIGPIPE  # as a command of a shell pipeline ended by SIGPIPE
     except LockHeld as e:
         print(f"opdkit: {e}", file=sys.stderr)
         return EXIT_LOCKED

@@ -236,6 +236,15 @@ def test_eval_refuses_an_out_it_cannot_write_before_evaluating(read_only, tmp_pa
     assert "cannot be written" in lines[0] and not any(ln.startswith("Loading weights") for ln in lines)
 
 
+def test_a_reader_that_stops_early_ends_the_command_without_a_traceback():
+    """``opdkit report ... | head`` (a reader that closes the pipe before the command has written) printed a
+    BrokenPipeError traceback and exited 1; now it ends quietly with 141, as a pipeline's command ended by SIGPIPE."""
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m opdkit repeats --sd 0.015 | true; "
+                                         "echo status ${PIPESTATUS[0]} >&2"],
+                          cwd=REPO, text=True, capture_output=True, timeout=120, env=env())
+    assert proc.stderr.splitlines() == ["status 141"], proc.stderr
+
+
 def test_bad_nproc_is_refused_by_run_sh(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "run.sh")], cwd=tmp_path, text=True, capture_output=True, timeout=30,
                           env=env(OUTPUT_DIR=str(tmp_path / "out"), NPROC="two"))
