@@ -20,9 +20,9 @@ from opdkit.config import PROTOCOLS, ConfigError, DataConfig, EvalConfig
 from opdkit.data import Example, encode_prompt
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
-from opdkit.grading import grade_many
+from opdkit.grading import grade_many, normalize_answer
 from opdkit.memory import ModelShape, device_memory, free_device_bytes, layer_activation_bytes, shape_of
-from opdkit.stats import clustered_accuracy
+from opdkit.stats import clustered_accuracy, majority_vote, pass_at_k
 
 # the share of the memory free once the model and its decoder are in place that one decode call's rows may fill
 DECODE_MEMORY_SHARE = {"cuda": 0.8, "cpu": 0.5}  # the CPU's generate grows its cache by copies
@@ -99,6 +99,25 @@ def _accuracy(records: list[dict]) -> dict:
     return clustered_accuracy(by_q)
 
 
+def sample_metrics(records: list[dict]) -> dict:
+    """With n >= 2 samples of every question: ``pass_at_k`` ({k: value and question-clustered stderr} at k = 2,
+    4, 8, ... up to n, and n itself; ``stats.pass_at_k``; pass@1 is ``accuracy``) and ``maj_at_n`` (majority vote
+    over each question's extracted answers, normalised as the rule grader compares them; ``stats.majority_vote``).
+    Else nothing."""
+    by_q: dict[str, list[dict]] = {}
+    for r in records:
+        by_q.setdefault(r["id"], []).append(r)
+    n = min((len(v) for v in by_q.values()), default=0)
+    if n < 2:
+        return {}
+    correct = {q: [r["correct"] for r in v] for q, v in by_q.items()}
+    ks = sorted({*(2**i for i in range(1, n.bit_length()) if 2**i <= n), n})
+    answers = {q: [(normalize_answer(r["pred"]) if r.get("pred") else "", r["correct"]) for r in v]
+               for q, v in by_q.items()}
+    return {"pass_at_k": {str(k): {m: pass_at_k(correct, k)[m] for m in ("value", "stderr")} for k in ks},
+            "maj_at_n": {"n": n, **majority_vote(answers)}}
+
+
 def summarize(records: list[dict]) -> dict:
     """The eval JSON (docs/design.md, "Metrics") from graded per-sample records; ``verifier_frac`` is the share of
     samples that only the verifier accepted. With questions from several sources (AIME 2024 and
@@ -113,6 +132,7 @@ def summarize(records: list[dict]) -> dict:
         "verifier_frac": sum(r["graded_by"] == "verifier" for r in records) / n,
         "mean_response_tokens": sum(r["n_tokens"] for r in records) / n,
     }
+    out.update(sample_metrics(records))
     sources = sorted({r["source"] for r in records})
     if len(sources) > 1:
         out["parts"] = {}
@@ -195,8 +215,8 @@ def protocol_record(ev: EvalConfig, n_questions: int) -> dict:
 # The eval JSON's own fields (summarize, protocol_record, and the model and data `opdkit eval` adds): a --tag of one
 # of them would replace the measurement it records
 RESULT_KEYS = ("accuracy", "stderr", "stderr_naive", "n_questions", "n_samples", "truncated_frac", "boxed_frac",
-               "verifier_frac", "mean_response_tokens", "parts", "eval_params", "protocol", "protocol_questions",
-               "protocol_complete", "model", "data")
+               "verifier_frac", "mean_response_tokens", "pass_at_k", "maj_at_n", "parts", "eval_params", "protocol",
+               "protocol_questions", "protocol_complete", "model", "data")
 
 
 def parse_tags(tags: list[str]) -> dict[str, str]:

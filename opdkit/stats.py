@@ -102,6 +102,45 @@ def clustered_accuracy(correct: CorrectTable) -> dict:
     }
 
 
+def pass_at_k(correct: CorrectTable, k: int) -> dict:
+    """pass@k over questions: per question p with n_p samples, c_p of them correct, the unbiased estimator
+    1 - C(n_p - c_p, k) / C(n_p, k) (the chance that k of its samples drawn without replacement hold a correct
+    one; Chen et al. 2021), averaged over questions, with the question-clustered standard error
+    (sd(ddof=1) / sqrt(P), NaN for one question). pass@1 is ``clustered_accuracy``'s accuracy. ``ValueError``
+    where a question has fewer than k samples."""
+    items = correct.values() if isinstance(correct, Mapping) else correct
+    est = []
+    for xs in items:
+        n, c = len(xs), int(sum(bool(x) for x in xs))
+        if n < k:
+            raise ValueError(f"pass@{k}: a question has {n} samples, fewer than k")
+        est.append(1.0 - math.comb(n - c, k) / math.comb(n, k))
+    e_P = np.asarray(est, dtype=float)
+    P = len(e_P)
+    return {"k": k, "value": float(e_P.mean()),
+            "stderr": float(e_P.std(ddof=1) / math.sqrt(P)) if P > 1 else float("nan")}
+
+
+def majority_vote(answers: Mapping[str, Sequence[tuple[str, bool]]]) -> dict:
+    """maj@n: per question, the answer its samples give most often (``answers``: question id -> each sample's
+    (normalised answer, correct); samples without an answer, "", do not vote; a tie goes to the answer given
+    first), scored as correct where any sample giving that answer was graded correct; the mean over questions (a
+    question with no answer scores 0), with the question-clustered standard error."""
+    votes = []
+    for samples in answers.values():
+        counts: dict[str, int] = {}
+        graded: dict[str, bool] = {}
+        for ans, ok in samples:
+            if ans:
+                counts[ans] = counts.get(ans, 0) + 1
+                graded[ans] = graded.get(ans, False) or bool(ok)
+        best = max(counts, key=lambda a: counts[a]) if counts else None  # max keeps the first of equal counts
+        votes.append(float(graded[best]) if best is not None else 0.0)
+    v_P = np.asarray(votes, dtype=float)
+    P = len(v_P)
+    return {"value": float(v_P.mean()), "stderr": float(v_P.std(ddof=1) / math.sqrt(P)) if P > 1 else float("nan")}
+
+
 def repeat_stats(values: Sequence[float]) -> dict:
     """Summary of R repeated measurements (e.g. one accuracy per seed).
 

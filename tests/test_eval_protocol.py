@@ -71,6 +71,21 @@ def test_parts_are_each_sources_clustered_accuracy():
     assert "parts" not in summarize([r for r in records if r["source"] == "2024"])  # one source: no parts
 
 
+def test_the_summary_has_pass_at_k_and_the_majority_vote_where_every_question_has_several_samples():
+    """Three questions x 4 samples: pass@2 and pass@4 by hand; the majority vote over the extracted answers (a
+    question whose samples gave no answer scores 0); one sample a question: neither."""
+    rows = [("q1", ["4", "4", "5", None], [1, 1, 0, 0]), ("q2", ["2", "3", "3", "3"], [1, 0, 0, 0]),
+            ("q3", [None, None, None, None], [0, 0, 0, 0])]
+    records = [{"id": q, "source": "s", "pred": p, "correct": bool(c), "truncated": False, "has_box": p is not None,
+                "graded_by": "rule" if c else None, "n_tokens": 5} for q, ps, cs in rows for p, c in zip(ps, cs)]
+    out = summarize(records)
+    # pass@2: q1 1 - C(2,2)/C(4,2) = 5/6, q2 1 - C(3,2)/C(4,2) = 1/2, q3 0; pass@4: 1, 1, 0
+    assert out["pass_at_k"]["2"]["value"] == pytest.approx((5 / 6 + 1 / 2) / 3)
+    assert out["pass_at_k"]["4"]["value"] == pytest.approx(2 / 3) and set(out["pass_at_k"]) == {"2", "4"}
+    assert out["maj_at_n"]["n"] == 4 and out["maj_at_n"]["value"] == pytest.approx(1 / 3)  # q1's "4"; q2's "3" wrong
+    assert "pass_at_k" not in summarize([r | {"id": f"{r['id']}-{i}"} for i, r in enumerate(records)])  # n = 1
+
+
 def test_opdkit_eval_on_aime_2024_and_2025_files_reports_both_parts(tmp_path, capsys, monkeypatch):
     """The embedded eval questions written as the public AIME files are (Maxwell-Jia/AIME_2024:
     ID/Problem/Solution/Answer; opencompass/AIME2025: question/answer), evaluated in one run."""

@@ -12,7 +12,9 @@ from opdkit.stats import (
     compare_arms,
     detectable_effect,
     kl_bin_means,
+    majority_vote,
     paired_question_diff,
+    pass_at_k,
     repeat_stats,
     repeats_needed,
     summarize_runs,
@@ -282,3 +284,32 @@ def test_planning_edge_cases_and_bad_values():
             t_test_power(**kw)
     with pytest.raises(ValueError, match="0 < power < 1"):
         repeats_needed(1.0, 1.0, power=1.0)
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_correct_sample():
+    """The unbiased estimator against brute force: every k-subset of each question's samples enumerated."""
+    import itertools
+
+    rng = np.random.default_rng(0)
+    table = [list(rng.integers(0, 2, size=n) * (rng.random() < 0.8)) for n in (8, 8, 6, 8, 7, 8)]
+    for k in (1, 2, 3, 4, 6):
+        per_q = [np.mean([any(sub) for sub in itertools.combinations(xs, k)]) for xs in table]
+        out = pass_at_k(table, k)
+        assert out["value"] == pytest.approx(np.mean(per_q), abs=1e-12)
+        assert out["stderr"] == pytest.approx(np.std(per_q, ddof=1) / math.sqrt(len(per_q)), abs=1e-12)
+    assert pass_at_k(table, 1)["value"] == pytest.approx(clustered_accuracy(table)["accuracy"])
+    assert pass_at_k({"q": [0, 0, 1, 0]}, 4)["value"] == 1.0 and math.isnan(pass_at_k({"q": [0, 1]}, 2)["stderr"])
+    with pytest.raises(ValueError, match="pass@8: a question has 6 samples"):
+        pass_at_k(table, 8)
+
+
+def test_majority_vote_takes_the_most_given_answer_first_on_ties_and_skips_the_unanswered():
+    answers = {
+        "a": [("3", False), ("5", True), ("5", True), ("3", False)],  # a tie: the answer given first, 3, is wrong
+        "b": [("", False), ("", False), ("7", True)],  # only one sample answered: it decides
+        "c": [("", False), ("", False)],  # nobody answered: 0
+        "d": [("1/2", True), ("1/2", False), ("2", False)],  # one sample of the answer graded correct: correct
+    }
+    out = majority_vote(answers)
+    assert out["value"] == pytest.approx((0 + 1 + 0 + 1) / 4)
+    assert out["stderr"] == pytest.approx(np.std([0, 1, 0, 1], ddof=1) / 2)
