@@ -237,8 +237,8 @@ def finish(out: Path, reason: str, step: int, elapsed: float, log, world: distri
         return result
     atomic_write_json(out / RUN_FILE, {**result.__dict__, "experiment_name": experiment_name, "run_id": run_id(out),
                                        **(record or {}), **({"tracking": tracked} if tracked else {})})
-    log(f"training {'stopped by ' if status == 'stopped' else 'ended '}({reason}) at step {step} after {elapsed:.1f}s; "
-        f"{surviving_checkpoints_message(out / 'checkpoints')}")
+    how = f"stopped by {reason}" if status == "stopped" else f"ended ({reason})"
+    log(f"training {how} at step {step} after {elapsed:.1f}s; {surviving_checkpoints_message(out / 'checkpoints')}")
     return result
 
 
