@@ -500,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     from opdkit.persist.fsutil import LockHeld
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "quiet", False):  # transformers' and huggingface_hub's bars (loading and writing weights) too:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when they are imported, later than this
     try:
         status = args.fn(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit

@@ -146,3 +146,21 @@ def test_eval_through_vllm_without_vllm_says_what_to_install(cfg):
     examples = load_examples(paths.eval_data_path(cfg), cfg.data)[:2]
     with pytest.raises(ConfigError, match=r"eval\.engine=vllm needs vLLM: pip install -e \"\.\[vllm\]\".*at hf"):
         sample_answers(model, tok, examples, cfg.data, replace(cfg, "eval.engine=vllm").eval, progress=False)
+
+
+def test_quiet_eval_draws_no_progress_bar_at_all(tmp_path, cfg):
+    """``--quiet`` meant no progress bars, yet transformers drew its "Loading weights" bar (a fresh process:
+    transformers reads the switch when it is imported)."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "opdkit", "eval", "--quiet", "--model", str(paths.student_path(cfg)), "--out",
+            str(tmp_path / "s.json"), "-p", "none", "-S", "eval.max_questions=2", "-S", "eval.n_samples=1"]
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # this tree's opdkit
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Loading weights" not in done.stderr and "it/s" not in done.stderr, done.stderr[-2000:]
