@@ -166,8 +166,16 @@ case "$status" in
     0) ;;
     2 | 75) exit "$status" ;; # bad input / locked: the trainer said why in one line, nothing ran
     *)
-        if ((status > 128)); then
-            fail "training was killed by signal $((status - 128)) (exit $status)"
+        if ((status > 128)); then  # run.json (this run's) says whether the trainer stopped on it or was killed
+            stopped_by=$("$PYTHON" -c 'import json, os, sys
+r = json.load(open(sys.argv[1])) if os.path.getmtime(sys.argv[1]) >= float(sys.argv[2]) else {}
+print(r["reason"] if r.get("status") == "stopped" and str(r.get("reason", "")).startswith("SIG") else "")' \
+                "$OUTPUT_DIR/run.json" "$started" 2>/dev/null) || stopped_by=""
+            if [[ -n "$stopped_by" ]]; then
+                fail "training stopped on $stopped_by (exit $status)"
+            else
+                fail "training was killed by signal $((status - 128)) (exit $status)"
+            fi
         elif ((status == 3)); then
             fail "training stopped: values went non-finite (exit 3); nothing non-finite was saved"
         else
