@@ -55,10 +55,24 @@ def _config(args):
     return load_config(_params_path(args), args.recipe, args.overrides)
 
 
+def _refuse_unwritable(out: str, *beside: Path) -> None:
+    """``ConfigError`` (exit 2, one line) naming ``--out`` where it, or a file written ``beside`` it, cannot be
+    written (``fsutil.unwritable``: read-only, a path through a file), checked before the command does anything
+    (a traceback at the first write, after the work, otherwise)."""
+    from opdkit.config import ConfigError
+    from opdkit.persist.fsutil import unwritable
+
+    for path in (Path(out), *beside):
+        if problem := unwritable(path):
+            raise ConfigError(f"--out {out}: {path} cannot be written: {problem}; name a place this process may "
+                              "write")
+
+
 def cmd_embedded(args) -> int:
     from opdkit.config import to_dict
     from opdkit.embedded import copy_shipped, write_manifest
 
+    _refuse_unwritable(args.out)
     out = Path(args.out)
     if args.bpe_teacher:  # the cross-tokenizer teacher: built on demand, cached in OUT
         cfg = _config(args)  # (bad params are refused before the builder's imports)
@@ -84,6 +98,7 @@ def cmd_embedded(args) -> int:
 def cmd_fixture(args) -> int:
     from opdkit.fixture import build_qwen2
 
+    _refuse_unwritable(args.out)
     made = build_qwen2(Path(args.out), seed=args.seed)
     print(f"wrote the {args.kind} fixture to {args.out} (student/, teacher/, data/train.parquet, data/eval.parquet, "
           f"manifest.json) in {made['build_seconds']}s")
@@ -113,19 +128,14 @@ def _device_lock(cfg, shared: bool):
 def cmd_eval(args) -> int:
     cfg = _config(args)  # bad params are refused before torch is imported
     from opdkit import paths
-    from opdkit.config import ConfigError
     from opdkit.data import load_eval_examples
     from opdkit.evaluate import check_out, evaluate, parse_tags, protocol_record, write_eval
     from opdkit.models import check_model_dir, compute_dtype, load_model, pick_device, setup_torch
     from opdkit.pairs import tokenizer_of
-    from opdkit.persist.fsutil import unwritable
 
     tags = parse_tags(args.tag)  # a bad tag, or an --out that cannot be written, is refused before anything is run
     check_out(args.out)
-    for path in (Path(args.out), Path(args.out).with_suffix(".jsonl")):
-        if problem := unwritable(path):
-            raise ConfigError(f"--out {args.out}: {path} cannot be written: {problem}; name a file in a directory "
-                              "this process may write")
+    _refuse_unwritable(args.out, Path(args.out).with_suffix(".jsonl"))
     setup_torch(cfg.runtime)
     data_paths = [Path(d) for d in args.data] if args.data else [paths.eval_data_path(cfg)]
     examples = load_eval_examples(data_paths)
@@ -255,6 +265,7 @@ def cmd_train(args) -> int:
 
 def cmd_offline_rollouts(args) -> int:
     cfg = _config(args)
+    _refuse_unwritable(args.out)
     _quiet_datasets()
     from opdkit.offline_draw import draw_pool
 
@@ -265,6 +276,7 @@ def cmd_offline_rollouts(args) -> int:
 def cmd_vocab_cut(args) -> int:
     from opdkit.engines.vllm_teacher import vocab_cut
 
+    _refuse_unwritable(args.out)
     try:
         made = vocab_cut(args.model, args.out)
     except (FileExistsError, ValueError) as e:
@@ -306,6 +318,7 @@ def cmd_study(args) -> int:
     from opdkit import studies
 
     cfg = _config(args)
+    _refuse_unwritable(args.out)
     fn = {"padding": studies.padding_study, "clipped-mass": studies.clipped_mass_study}[args.which]
     result = fn(cfg, Path(args.out), progress=not args.quiet)
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (list, dict))}))
@@ -316,6 +329,8 @@ def cmd_report(args) -> int:
     from opdkit.config import load_config
     from opdkit.studies.report import PATTERN_FIELDS, expand_runs, report
 
+    if args.out:
+        _refuse_unwritable(args.out)
     evals = [Path(p) for p in args.evals]
     if any(f in p for p in args.evals for f in PATTERN_FIELDS):
         # the matrix as dvc.yaml reads it: the params file as it is (no recipe), plus -S

@@ -236,6 +236,26 @@ def test_eval_refuses_an_out_it_cannot_write_before_evaluating(read_only, tmp_pa
     assert "cannot be written" in lines[0] and not any(ln.startswith("Loading weights") for ln in lines)
 
 
+@pytest.mark.parametrize("argv", [
+    ["embedded", "--out", "{out}"], ["fixture", "qwen2", "--out", "{out}"], ["study", "padding", "--out", "{out}"],
+    ["vocab-cut", "--model", "{model}", "--out", "{out}"], ["report", "{model}", "--out", "{out}"],
+    ["offline-rollouts", "--out", "{out}"],
+], ids=lambda a: a[0])
+def test_every_command_with_an_out_refuses_one_it_cannot_write_in_one_line(read_only, capsys, argv):
+    """``opdkit embedded``, ``fixture``, ``study``, ``vocab-cut``, ``report --out`` and ``offline-rollouts`` with an
+    ``--out`` in a read-only directory ended in an OSError traceback (exit 1) at their first write, the study after its
+    runs; now one line naming --out, exit 2, before any work, and nothing there changes."""
+    from opdkit.cli import main
+
+    out = read_only / "made"
+    args = [a.format(out=out, model=asset("student")) for a in argv]
+    rc = main([*args, "-p", "none"] if args[0] in ("study", "offline-rollouts") else args)
+    lines = _one_error_line(capsys)
+    assert rc == 2 and lines and lines[-1].startswith(f"opdkit: error: --out {out}: "), lines
+    assert "cannot be written" in lines[-1] and "read-only" in lines[-1], lines
+    assert sorted(p.name for p in read_only.iterdir()) == ["kept.txt"]
+
+
 def test_a_reader_that_stops_early_ends_the_command_without_a_traceback():
     """``opdkit report ... | head`` (a reader that closes the pipe before the command has written) printed a
     BrokenPipeError traceback and exited 1; now it ends quietly with 141, as a pipeline's command ended by SIGPIPE."""
