@@ -21,7 +21,7 @@ from opdkit.data import Example, encode_prompt
 from opdkit.engines.hf import HFEngine
 from opdkit.engines.sampling import sample_seed
 from opdkit.grading import grade_many, normalize_answer
-from opdkit.memory import ModelShape, device_memory, free_device_bytes, layer_activation_bytes, shape_of
+from opdkit.memory import ModelShape, device_memory, free_device_bytes, kv_cache_bytes, layer_activation_bytes, shape_of
 from opdkit.stats import clustered_accuracy, majority_vote, pass_at_k
 
 # the share of the memory free once the model and its decoder are in place that one decode call's rows may fill
@@ -33,7 +33,7 @@ def row_bytes(shape: ModelShape, slots: int, prompt_tokens: int, max_new_tokens:
     positions at ``cache_bytes`` a value (the static decoder's: its prompt slots, ``max_new_tokens`` and one graph's
     steps), its sampled ids and log-probs, three rows of logits in float32 (the raw logits, the sampler's scores
     and their float32 copy), and one layer's activations over the ``prompt_tokens`` while they are prefilled."""
-    kv = slots * shape.layers * 2 * shape.kv * cache_bytes
+    kv = kv_cache_bytes(shape, slots, cache_bytes)
     out = max_new_tokens * (8 + 4)
     logits = 3 * 4 * shape.rows
     prefill = prompt_tokens * layer_activation_bytes(shape.hidden, shape.kv, shape.intermediate, cache_bytes)
@@ -114,7 +114,8 @@ def sample_metrics(records: list[dict]) -> dict:
     ks = sorted({*(2**i for i in range(1, n.bit_length()) if 2**i <= n), n})
     answers = {q: [(normalize_answer(r["pred"]) if r.get("pred") else "", r["correct"]) for r in v]
                for q, v in by_q.items()}
-    return {"pass_at_k": {str(k): {m: pass_at_k(correct, k)[m] for m in ("value", "stderr")} for k in ks},
+    passes = (pass_at_k(correct, k) for k in ks)
+    return {"pass_at_k": {str(p["k"]): {"value": p["value"], "stderr": p["stderr"]} for p in passes},
             "maj_at_n": {"n": n, **majority_vote(answers)}}
 
 

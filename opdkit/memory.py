@@ -77,6 +77,12 @@ def kv_width(text_config) -> int:
     return (getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads) * head_dim
 
 
+def kv_cache_bytes(s: ModelShape, tokens: int, value_bytes: int) -> int:
+    """Bytes of one sequence's KV cache over ``tokens`` positions: keys and values of every layer, ``value_bytes``
+    a value."""
+    return tokens * s.layers * 2 * s.kv * value_bytes
+
+
 def layer_activation_bytes(hidden: int, kv: int, intermediate: int, compute_bytes: int) -> int:
     """Bytes autograd saves per token for one decoder layer run without checkpointing (see the module
     docstring): ``hidden`` H, ``kv`` (key-value heads x head size), ``intermediate`` (the MLP's width I);
@@ -172,7 +178,7 @@ def estimate(cfg: Config, student: ModelShape, teacher: ModelShape | list[ModelS
         decode_rows = R.batch_size or rows_step
         kv_bytes = 2 if cuda else 4  # generate's cache on the CPU is fp32; the static decoder's is bf16
         rollout[f"KV cache ({decode_rows} rows x {tokens:,} tokens)"] = (
-            decode_rows * tokens * student.layers * 2 * student.kv * kv_bytes)
+            decode_rows * kv_cache_bytes(student, tokens, kv_bytes))
         if cuda and R.static_cache:
             held["static decoder's bf16 copy of the student"] = 2 * student.params
     mb_rows = min(Opt.micro_batch or rows_step, rows_step)
