@@ -86,7 +86,9 @@ if [[ -n "${MAX_WALL_TIME_SECONDS:-}" ]]; then args+=(-S "budget.max_wall_time_s
 if [[ -n "${DEADLINE_RESERVE_SECONDS:-}" ]]; then args+=(-S "budget.deadline_reserve_s=$DEADLINE_RESERVE_SECONDS"); fi
 if [[ -n "${EXPERIMENT_NAME:-}" ]]; then args+=(-S "experiment_name=$(yaml_str "$EXPERIMENT_NAME")"); fi
 if [[ -n "${CKPT_DIR:-}" ]]; then args+=(-S "runtime.state_dir=$(yaml_str "$CKPT_DIR")"); fi
-if compgen -e | grep -q '^OPSD_'; then  # the OPSD log's switches (an unknown one: exit 2, one line)
+# the OPSD log's switches (an unknown one: exit 2, one line); no pipe into `grep -q`: under pipefail, grep's early exit
+# could end compgen with SIGPIPE in a large environment and the switches were then silently dropped
+if [[ -n "$(compgen -e OPSD_ || true)" ]]; then
     opsd_status=0
     opsd=$("$PYTHON" -m opdkit.recipes opsd-env) || opsd_status=$?
     if ((opsd_status != 0)); then exit "$opsd_status"; fi

@@ -287,6 +287,12 @@ def test_run_sh_maps_the_opsd_switches_and_refuses_unknown_ones(tmp_path):
     assert (cfg.loss.clip, cfg.data.pad_side, cfg.runtime.alignment_check, cfg.data.prompt_format,
             cfg.data.teacher_context, cfg.loss.clip_tau) == ("token", "left", True, "opsd_eval", "cot", 0.1)
     assert cfg.data.enable_thinking == cfg.eval.enable_thinking  # the eval prompt as the benchmark renders it
+    # in an environment larger than a pipe's buffer, listed after the switch (run.sh piped `compgen -e` into
+    # `grep -q`: grep's early exit ended compgen with SIGPIPE, pipefail made the test false, and every switch was
+    # dropped without a word; CI saw it once)
+    crowd = {f"ZZ_{i:06d}": "1" for i in range(12000)}
+    _, argv = _argv_of_run_sh(tmp_path, RECIPE=recipe, OPSD_CLIP_MODE="token", **crowd)
+    assert "loss.clip=token" in argv and _resolve(argv).loss.clip == "token"
     for bad, needle in ((dict(OPSD_PAD_SIDE="middle"), "OPSD_PAD_SIDE=middle: expected one of right, left"),
                         (dict(OPSD_PADSIDE="left"), "unknown OPSD switch OPSD_PADSIDE"),
                         (dict(OPSD_WAVG_LAST="5"), "tail weight averaging is not implemented")):
