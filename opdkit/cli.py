@@ -129,11 +129,12 @@ def cmd_eval(args) -> int:
     cfg = _config(args)  # bad params are refused before torch is imported
     from opdkit import paths
     from opdkit.data import load_eval_examples
-    from opdkit.evaluate import check_out, evaluate, parse_tags, protocol_record, write_eval
+    from opdkit.evaluate import check_engine, check_out, evaluate, parse_tags, protocol_record, write_eval
     from opdkit.models import check_model_dir, compute_dtype, load_model, pick_device, setup_torch
     from opdkit.pairs import tokenizer_of
 
     tags = parse_tags(args.tag)  # a bad tag, or an --out that cannot be written, is refused before anything is run
+    check_engine(cfg.eval)  # eval.engine=vllm without vLLM: before any model loads
     check_out(args.out)
     _refuse_unwritable(args.out, Path(args.out).with_suffix(".jsonl"))
     setup_torch(cfg.runtime)

@@ -163,17 +163,24 @@ def _rows_that_fit(model, engine: HFEngine, ev: EvalConfig, width: int, availabl
     return rows
 
 
+def check_engine(ev: EvalConfig) -> None:
+    """Raise ``ConfigError`` if ``eval.engine`` cannot run here (vllm, not installed): asked before a model loads."""
+    from opdkit.engines.vllm import available
+
+    if ev.engine == "vllm" and not available():
+        raise ConfigError('eval.engine=vllm needs vLLM: pip install -e ".[vllm]" (docs/scaling_out.md says which '
+                          "version matches your torch); or leave eval.engine at hf")
+
+
 def vllm_engine(model, tokenizer, ev: EvalConfig, prompt_tokens: int):
     """``eval.engine=vllm``: the rollouts' vLLM engine (``opdkit.engines.vllm.VLLMEngine``, the padding rows cut
     from its head) built from ``model``'s own directory with ``model``'s weights pushed into it: up to
     ``eval.batch_size`` sequences decoded at once (continuous batching: a finished sample's slot takes the next),
     ``eval.gpu_memory_utilization`` of the GPU, ``prompt_tokens`` + ``eval.max_new_tokens`` positions."""
     from opdkit.config import Config, RolloutConfig
-    from opdkit.engines.vllm import VLLMEngine, available
+    from opdkit.engines.vllm import VLLMEngine
 
-    if not available():
-        raise ConfigError('eval.engine=vllm needs vLLM: pip install -e ".[vllm]" (docs/scaling_out.md says which '
-                          "version matches your torch); or leave eval.engine at hf")
+    check_engine(ev)
     rollout = RolloutConfig(engine="vllm", prompts_per_step=ev.batch_size, samples_per_prompt=1,
                             max_new_tokens=ev.max_new_tokens, max_prompt_tokens=max(1, prompt_tokens),
                             gpu_memory_utilization=ev.gpu_memory_utilization)

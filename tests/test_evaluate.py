@@ -148,6 +148,22 @@ def test_eval_through_vllm_without_vllm_says_what_to_install(cfg):
         sample_answers(model, tok, examples, cfg.data, replace(cfg, "eval.engine=vllm").eval, progress=False)
 
 
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_opdkit_eval_refuses_the_vllm_engine_without_vllm_before_loading_a_model(tmp_path, cfg, monkeypatch, capsys):
+    """The check ran inside the sampling, after the model had loaded (minutes at a real shape)."""
+    import opdkit.models
+    from opdkit.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before eval.engine was checked")
+
+    monkeypatch.setattr(opdkit.models, "load_model", no_load)
+    rc = main(["eval", "--model", str(paths.student_path(cfg)), "--out", str(tmp_path / "e.json"), "-p", "none",
+               "--quiet", "-S", "eval.engine=vllm"])
+    assert rc == 2 and "eval.engine=vllm needs vLLM" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_quiet_eval_draws_no_progress_bar_at_all(tmp_path, cfg):
     """``--quiet`` meant no progress bars, yet transformers drew its "Loading weights" bar (a fresh process:
     transformers reads the switch when it is imported)."""
