@@ -192,6 +192,24 @@ def _quiet_datasets() -> None:
     os.environ.setdefault("DATASETS_VERBOSITY", "critical")  # read when datasets is imported
 
 
+class _Console:
+    """``print`` for a long command's lines: a reader that stops early (``opdkit train | head``) ends the lines on
+    stdout, not the run (its steps go on into train.jsonl); stderr says so once."""
+
+    def __init__(self, what: str):
+        self.what, self.open = what, True
+
+    def __call__(self, *args, **kwargs) -> None:
+        if not self.open:
+            return
+        try:
+            print(*args, **kwargs, flush=True)
+        except BrokenPipeError:
+            self.open = False
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+            print(f"opdkit: stdout's reader stopped reading; {self.what}", file=sys.stderr)
+
+
 def cmd_train(args) -> int:
     out = Path(args.out)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone takes the lock
@@ -206,6 +224,7 @@ def cmd_train(args) -> int:
     from opdkit.persist.checkpoints import NonFiniteTensor, surviving_checkpoints_message
     from opdkit.persist.fsutil import StorageError
     from opdkit.persist.publish import PublishError
+    from opdkit.persist.rundir import METRICS_FILE
     from opdkit.persist.trainer_state import find as find_state
     from opdkit.train import preflight, train
 
@@ -228,9 +247,11 @@ def cmd_train(args) -> int:
     def survivors() -> str:
         return surviving_checkpoints_message(out / "checkpoints")
 
+    console = _Console(f"training goes on, its log lines no longer shown (its steps: {out / METRICS_FILE})")
+
     try:
         with stop_on_signals():  # SIGTERM/SIGINT: a flag the loop reads between steps
-            result = train(cfg, out, progress=not args.quiet, started_at=started_at())
+            result = train(cfg, out, log=console, progress=not args.quiet, started_at=started_at())
     except _expected_errors():
         raise  # main() prints these as one line
     except PublishError as e:
@@ -260,7 +281,7 @@ def cmd_train(args) -> int:
             print(f"opdkit: training stopped by {sig.name} at step {result.step}; {survivors()}", file=sys.stderr)
         return 128 + sig
     if world.is_main:
-        print(json.dumps(result.__dict__))
+        console(json.dumps(result.__dict__))
     return 0
 
 

@@ -265,6 +265,22 @@ def test_a_reader_that_stops_early_ends_the_command_without_a_traceback():
     assert proc.stderr.splitlines() == ["status 141"], proc.stderr
 
 
+def test_training_goes_on_when_its_stdout_reader_stops_early(tmp_path):
+    """``opdkit train ... | head -1`` failed the run at its next log line (BrokenPipeError, exit 1, run.json
+    "failed"): a reader of the console lines that stops is not a reason to end a training run."""
+    out = tmp_path / "out"
+    tiny = " ".join(f"-S {o}" for o in TINY)
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m opdkit train --out {out} -p none --quiet {tiny} "
+                                         "-S budget.max_steps=2 | head -1; echo status ${PIPESTATUS[0]} >&2"],
+                          cwd=tmp_path, text=True, capture_output=True, timeout=300, env=env())
+    lines = proc.stderr.splitlines()
+    assert lines[-1] == "status 0", proc.stderr
+    assert any(line.startswith("opdkit: stdout's reader stopped reading; training goes on") for line in lines)
+    assert json.loads((out / "run.json").read_text())["status"] == "completed"
+    assert len((out / "metrics" / "train.jsonl").read_text().splitlines()) == 2
+    assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-2")
+
+
 def test_bad_nproc_is_refused_by_run_sh(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "run.sh")], cwd=tmp_path, text=True, capture_output=True, timeout=30,
                           env=env(OUTPUT_DIR=str(tmp_path / "out"), NPROC="two"))
