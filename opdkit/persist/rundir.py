@@ -301,8 +301,8 @@ def begin(cfg: Config, inputs: Inputs, out: Path, log, t_start: float, world: di
                 trim_metrics(out, ahead if ahead is not None else step)
             log(f"this run already reached its end ({reason}) and checkpoint-{ahead or step} is published: "
                 "nothing to do")
-            start.done = finish(out, reason, step, elapsed0 + time.monotonic() - t_start, log, world,
-                                cfg.experiment_name)
+            start.done = finish(out, reason, ahead or step, elapsed0 + time.monotonic() - t_start, log, world,
+                                cfg.experiment_name)  # the run's end: its newest checkpoint, as its metrics rows
             return start
     if world.is_main:
         trim_metrics(out, step)  # the lines of steps after the state: this start trains them again
