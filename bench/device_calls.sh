@@ -74,7 +74,8 @@
 #   w1: carry .lane              S1 as issue 31 times it: 7,168 new tokens, 4 steps (steps 2-4); 1,024, 4 steps; the static
 #                                decoder at 1,024 beside the weights-only bound measured in the same call (~6 min)
 #   w2: carry .lane              (after w1, the machine still warm) S1 at 7,168 new tokens, 4 steps, twice (~5 min)
-#   w12: carry .lane             w1 and w2 in one call (~8 min)
+#   w12: carry .lane             w1 with a second 7,168 run in one call (~7.5 min); then w0b: carry .lane, w0's tests and
+#                                a third 7,168 run (~6 min)
 #   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
 #                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
 #                                (eval_times.txt) and their summaries (~6 min)
@@ -296,12 +297,15 @@ print(f\"{r['block']},{r['warps']}\")")
       cp "$R/eval_$eng.json" "$OUT/" 2>/dev/null
     done
     ;;
-  w12)  # w1 and w2 in one call (~8 min): fewer machine starts where the device is short
-    s1_run s1_7168 4 130 -S rollout.max_new_tokens=7168
+  w12)  # w1 with a second 7,168 run, in one call (~7.5 min): fewer machine starts where the device is short
+    s1_run s1_7168 4 150 -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 80 -S rollout.max_new_tokens=1024
     lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
-    s1_run s1_7168_2 4 130 -S rollout.max_new_tokens=7168
-    s1_run s1_7168_3 4 130 -S rollout.max_new_tokens=7168
+    s1_run s1_7168_2 4 150 -S rollout.max_new_tokens=7168
+    ;;
+  w0b)  # (after w12, the machine still warm) w0's GPU tests and a third S1 run at 7,168 (~6 min)
+    decoder_tests 230
+    s1_run s1_7168_3 4 150 -S rollout.max_new_tokens=7168
     ;;
   w2)
     s1_run s1_7168_2 4 150 -S rollout.max_new_tokens=7168
