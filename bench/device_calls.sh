@@ -76,6 +76,7 @@
 #   w2: carry .lane              (after w1, the machine still warm) S1 at 7,168 new tokens, 4 steps, twice (~5 min)
 #   w12: carry .lane             w1 with a second 7,168 run in one call (~7.5 min); then w0b: carry .lane, w0's tests and
 #                                a third 7,168 run (~6 min)
+#   e0: carry .lane              e1's evaluation through the kit's decoder alone (~3 min with the pair's preparation)
 #   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
 #                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
 #                                (eval_times.txt) and their summaries (~6 min)
@@ -286,8 +287,8 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
     lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
     ;;
-  e1)
-    for eng in hf vllm; do
+  e0|e1)  # e0: the kit's decoder alone (no vLLM needed)
+    for eng in hf $([ "$PHASE" = e1 ] && echo vllm); do
       t0=$(date +%s)
       lim 280 python3 -m opdkit eval --quiet --model "$R/s1/student" --data "$R/s1/train.jsonl" --out "$R/eval_$eng.json" \
         -p none -S eval.engine=$eng -S eval.max_questions=64 -S eval.n_samples=4 -S eval.max_new_tokens=2048 \
