@@ -206,8 +206,18 @@ class _Console:
             print(*args, **kwargs, flush=True)
         except BrokenPipeError:
             self.open = False
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
-            print(f"opdkit: stdout's reader stopped reading; {self.what}", file=sys.stderr)
+            _to_devnull(sys.stdout)  # what is still buffered goes nowhere
+            try:
+                print(f"opdkit: stdout's reader stopped reading; {self.what}", file=sys.stderr, flush=True)
+            except BrokenPipeError:  # stderr went to the same reader (2>&1 | head): its lines (and bars) stop too
+                _to_devnull(sys.stderr)
+
+
+def _to_devnull(stream) -> None:
+    """Point ``stream``'s file descriptor at /dev/null (its reader is gone): later writes and flushes succeed."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, stream.fileno())
+    os.close(fd)
 
 
 def cmd_train(args) -> int:

@@ -281,6 +281,21 @@ def test_training_goes_on_when_its_stdout_reader_stops_early(tmp_path):
     assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-2")
 
 
+def test_training_goes_on_when_its_stdout_and_stderr_reader_stops_early(tmp_path):
+    """``opdkit train ... 2>&1 | head -1``: the line saying that stdout's reader stopped went to the same closed pipe,
+    and its BrokenPipeError failed the run (exit 141, run.json "failed")."""
+    out = tmp_path / "out"
+    tiny = " ".join(f"-S {o}" for o in TINY)
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} -m opdkit train --out {out} -p none --quiet {tiny} "
+                                         "-S budget.max_steps=2 2>&1 | head -1; echo status ${PIPESTATUS[0]} >&2"],
+                          cwd=tmp_path, text=True, capture_output=True, timeout=300, env=env())
+    assert proc.stderr.splitlines() == ["status 0"], proc.stderr
+    assert len(proc.stdout.splitlines()) == 1, proc.stdout
+    assert json.loads((out / "run.json").read_text())["status"] == "completed"
+    assert len((out / "metrics" / "train.jsonl").read_text().splitlines()) == 2
+    assert is_valid_checkpoint(out / "checkpoints" / "checkpoint-2")
+
+
 def test_bad_nproc_is_refused_by_run_sh(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "run.sh")], cwd=tmp_path, text=True, capture_output=True, timeout=30,
                           env=env(OUTPUT_DIR=str(tmp_path / "out"), NPROC="two"))
