@@ -207,10 +207,9 @@ class _Console:
         except BrokenPipeError:
             self.open = False
             _to_devnull(sys.stdout)  # what is still buffered goes nowhere
-            try:
-                print(f"opdkit: stdout's reader stopped reading; {self.what}", file=sys.stderr, flush=True)
-            except BrokenPipeError:  # stderr went to the same reader (2>&1 | head): its lines (and bars) stop too
-                _to_devnull(sys.stderr)
+            # (stderr: _Guarded while a run trains, so where it went to the same reader, 2>&1 | head, this line and
+            # the bars after it go nowhere too)
+            print(f"opdkit: stdout's reader stopped reading; {self.what}", file=sys.stderr, flush=True)
 
 
 def _to_devnull(stream) -> None:
@@ -220,7 +219,40 @@ def _to_devnull(stream) -> None:
     os.close(fd)
 
 
+class _Guarded:
+    """``sys.stderr`` while a run trains: a write or flush to a reader that has stopped (``opdkit train ... 2>&1 |
+    head``) points the descriptor at /dev/null instead of raising, wherever it comes from (transformers' and tqdm's
+    progress bars write there from their own code)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _to_devnull(self._stream)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _to_devnull(self._stream)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def cmd_train(args) -> int:
+    stderr, sys.stderr = sys.stderr, _Guarded(sys.stderr)
+    try:
+        return _train_command(args)
+    finally:
+        sys.stderr = stderr
+
+
+def _train_command(args) -> int:
     out = Path(args.out)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone takes the lock
         _probe_lock(out)  # before anything slow is imported
