@@ -123,6 +123,19 @@ def kernel_table(prof, steps: int, device) -> tuple[list[dict], float, int]:
     return rows[:25], sum(r["us_per_step"] for r in rows) / 1e3, round(sum(r["per_step"] for r in rows))
 
 
+def copies_by_shape(prof, rows: int = 30) -> str:
+    """The profile's dtype copies (``aten::copy_``, of ``.to`` and autocast's casts) by their input shapes, most
+    device time first: a weight's cast has the weight's shape (e.g. 256 x 1536), an activation's the tokens' (1 x
+    58,272 x 1536)."""
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::copy_"]
+    dev = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    ops.sort(key=dev, reverse=True)
+    lines = [f"\n## aten::copy_ by input shapes ({len(ops)} shapes), most device time first\n",
+             f"{'calls':>7}  {'device ms':>10}  input shapes (destination, source)\n"]
+    lines += [f"{e.count:>7}  {dev(e) / 1e3:>10.2f}  {e.input_shapes[:2]}\n" for e in ops[:rows]]
+    return "".join(lines)
+
+
 def write_profile(out: Path, name: str, title: str, rows: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if KIT != ROOT:
@@ -586,7 +599,8 @@ def update(args) -> None:
             for rep in range(4):  # rep 0 warms up (allocator, cuBLAS, autotuning); rep 3 is profiled
                 prof = (torch.profiler.profile(
                             activities=[torch.profiler.ProfilerActivity.CPU]
-                            + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []))
+                            + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []),
+                            record_shapes=True)  # copies_by_shape: weights' casts apart from activations'
                         if rep == 3 else contextlib.nullcontext())
                 with prof:
                     t0 = sync(device)
@@ -614,6 +628,7 @@ def update(args) -> None:
                         f.write(f"\n## score + update, {mode}, {T} new tokens: ops by their own device time\n")
                         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=45,
                                                           max_name_column_width=60))
+                        f.write(copies_by_shape(prof))
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             upd = med["loss_backward_s"] + med["optimizer_s"] + med["sync_s"]
             append(out, {"what": "update", "mode": mode, "max_new_tokens": T, "tokens": tokens, "params": n_params,
