@@ -298,11 +298,12 @@ print(f\"{r['block']},{r['warps']}\")")
       cp "$R/eval_$eng.json" "$OUT/" 2>/dev/null
     done
     ;;
-  w12)  # w1 with a second 7,168 run, in one call (~7.5 min): fewer machine starts where the device is short
-    s1_run s1_7168 4 150 -S rollout.max_new_tokens=7168
+  w12)  # w1 with a second 7,168 run, in one call (~7.5 min; limits 590 s with the preparation's 150; on 2026-12-05 the
+    # 7,168 runs took 106-116 s, the 1,024 run 52, the decoder 48)
+    s1_run s1_7168 4 140 -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 80 -S rollout.max_new_tokens=1024
-    lim 90 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
-    s1_run s1_7168_2 4 150 -S rollout.max_new_tokens=7168
+    lim 80 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    s1_run s1_7168_2 4 140 -S rollout.max_new_tokens=7168
     ;;
   w0b)  # (after w12, the machine still warm) w0's GPU tests and a third S1 run at 7,168 (~6 min)
     decoder_tests 230
