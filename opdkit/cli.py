@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -192,26 +193,6 @@ def _quiet_datasets() -> None:
     os.environ.setdefault("DATASETS_VERBOSITY", "critical")  # read when datasets is imported
 
 
-class _Console:
-    """``print`` for a long command's lines: a reader that stops early (``opdkit train | head``) ends the lines on
-    stdout, not the run (its steps go on into train.jsonl); stderr says so once."""
-
-    def __init__(self, what: str):
-        self.what, self.open = what, True
-
-    def __call__(self, *args, **kwargs) -> None:
-        if not self.open:
-            return
-        try:
-            print(*args, **kwargs, flush=True)
-        except BrokenPipeError:
-            self.open = False
-            _to_devnull(sys.stdout)  # what is still buffered goes nowhere
-            # (stderr: _Guarded while a run trains, so where it went to the same reader, 2>&1 | head, this line and
-            # the bars after it go nowhere too)
-            print(f"opdkit: stdout's reader stopped reading; {self.what}", file=sys.stderr, flush=True)
-
-
 def _to_devnull(stream) -> None:
     """Point ``stream``'s file descriptor at /dev/null (its reader is gone): later writes and flushes succeed."""
     fd = os.open(os.devnull, os.O_WRONLY)
@@ -220,36 +201,50 @@ def _to_devnull(stream) -> None:
 
 
 class _Guarded:
-    """``sys.stderr`` while a run trains: a write or flush to a reader that has stopped (``opdkit train ... 2>&1 |
-    head``) points the descriptor at /dev/null instead of raising, wherever it comes from (transformers' and tqdm's
-    progress bars write there from their own code)."""
+    """``sys.stdout`` or ``sys.stderr`` while a run trains: a write or flush to a reader that has stopped (``opdkit
+    train | head``, ``... 2>&1 | head``) points the descriptor at /dev/null instead of raising, wherever it comes
+    from (the run's log lines; transformers' and tqdm's progress bars, from their own code), so the run goes on;
+    ``notice()``, if given, is said once on stderr when that happens."""
 
-    def __init__(self, stream):
-        self._stream = stream
+    def __init__(self, stream, notice=None):
+        self._stream, self._notice = stream, notice
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
         except BrokenPipeError:
-            _to_devnull(self._stream)
+            self._gone()
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
         except BrokenPipeError:
-            _to_devnull(self._stream)
+            self._gone()
+
+    def _gone(self) -> None:
+        _to_devnull(self._stream)  # what is still buffered goes nowhere
+        notice, self._notice = self._notice, None
+        if notice is not None:
+            print(f"opdkit: {notice()}", file=sys.stderr, flush=True)
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
 
 
 def cmd_train(args) -> int:
-    stderr, sys.stderr = sys.stderr, _Guarded(sys.stderr)
+    def notice() -> str:
+        from opdkit.persist.rundir import METRICS_FILE  # imported by the run already
+
+        return ("stdout's reader stopped reading; training goes on, its log lines no longer shown (its steps: "
+                f"{Path(args.out) / METRICS_FILE})")
+
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Guarded(sys.stdout, notice), _Guarded(sys.stderr)
     try:
         return _train_command(args)
     finally:
-        sys.stderr = stderr
+        sys.stdout, sys.stderr = streams
 
 
 def _train_command(args) -> int:
@@ -266,7 +261,6 @@ def _train_command(args) -> int:
     from opdkit.persist.checkpoints import NonFiniteTensor, surviving_checkpoints_message
     from opdkit.persist.fsutil import StorageError
     from opdkit.persist.publish import PublishError
-    from opdkit.persist.rundir import METRICS_FILE
     from opdkit.persist.trainer_state import find as find_state
     from opdkit.train import preflight, train
 
@@ -289,11 +283,10 @@ def _train_command(args) -> int:
     def survivors() -> str:
         return surviving_checkpoints_message(out / "checkpoints")
 
-    console = _Console(f"training goes on, its log lines no longer shown (its steps: {out / METRICS_FILE})")
-
     try:
         with stop_on_signals():  # SIGTERM/SIGINT: a flag the loop reads between steps
-            result = train(cfg, out, log=console, progress=not args.quiet, started_at=started_at())
+            result = train(cfg, out, log=functools.partial(print, flush=True),  # each line as it comes
+                           progress=not args.quiet, started_at=started_at())
     except _expected_errors():
         raise  # main() prints these as one line
     except PublishError as e:
@@ -323,7 +316,7 @@ def _train_command(args) -> int:
             print(f"opdkit: training stopped by {sig.name} at step {result.step}; {survivors()}", file=sys.stderr)
         return 128 + sig
     if world.is_main:
-        console(json.dumps(result.__dict__))
+        print(json.dumps(result.__dict__), flush=True)
     return 0
 
 
@@ -586,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
         return status
     except BrokenPipeError:  # stdout's reader stopped early (`opdkit report ... | head`): it read what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises again
+        _to_devnull(sys.stdout)  # else the flush at exit raises again
         return 128 + signal.SIGPIPE  # as a command of a shell pipeline ended by SIGPIPE
     except LockHeld as e:
         print(f"opdkit: {e}", file=sys.stderr)
