@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capacities", default="1264,3312,7408", help="cache slots (prompt + new tokens + 16)")
     ap.add_argument("--contexts", default="256,1024,2048,4096,7168", help="visible slots (those <= the capacity)")
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--programs", default="", help="instead of the default grid: the default plan, then each of these "
+                    "program counts (e.g. 128,64) at blocks of 32 and 64 slots and 3 and 4 stages")
     args = ap.parse_args(argv)
     cpu = args.device == "cpu"
     if cpu:
@@ -80,6 +82,10 @@ def main(argv=None) -> int:
         (f"new block={bn} stages={st}", dict(block_n=bn, num_stages=st), None)
         for bn in (64, 32) for st in (2, 3, 4) if (bn, st) != (64, 3)] + [
         (f"new block=32 stages=3 programs={p}", dict(block_n=32, num_stages=3, programs=p), None) for p in (256, 1024)]
+    if args.programs:  # the split count's grid: fewer programs read more blocks each and leave fewer partials to merge
+        variants = [("new", dict(), None)] + [
+            (f"new block={bn} stages={st} programs={p}", dict(block_n=bn, num_stages=st, programs=p), None)
+            for p in (int(x) for x in args.programs.split(",")) for bn in (32, 64) for st in (3, 4)]
     if cpu:
         variants = variants[:2] + [v for v in variants if v[0] == "new block=32 stages=3 programs=1024"]
 

@@ -76,6 +76,13 @@
 #   w2: carry .lane              (after w1, the machine still warm) S1 at 7,168 new tokens, 4 steps, twice (~5 min)
 #   w12: carry .lane             w1 with a second 7,168 run in one call (~7.5 min); then w0b: carry .lane, w0's tests and
 #                                a third 7,168 run (~6 min)
+#   x1: carry .lane              the attention's split count: bench/attn_bench.py --programs 128,64 at the capacities of
+#                                7,168 and 1,024 new tokens; the static decoder at 7,168 of this kit and of copies whose
+#                                AttentionPlan defaults to 128 / 64 programs (/tmp/kit_p128, /tmp/kit_p64) (~8 min)
+#   x2: carry .lane              (after x1; the copy is remade if the machine is fresh) S1 at 7,168, 4 steps: this kit,
+#                                this kit with runtime.checkpoint_keep_matmuls, /tmp/kit_p$X2_PROGRAMS (128) (~8 min)
+#   x3: carry .lane              the GPU tests; the static decoder at 1,024 (digest), this kit and /tmp/kit_p$X2_PROGRAMS
+#                                (~6 min)
 #   e0: carry .lane              e1's evaluation through the kit's decoder alone (~3 min with the pair's preparation)
 #   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
 #                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
@@ -116,6 +123,12 @@ logp_diff() {  # DIR WHAT: the recorded log-probs of the kit before (DIR/head_ne
   lim 60 python3 -c "import torch; a, b = torch.load('$1/head_new.pt'), torch.load('$1/this_new.pt'); \
 d = (a - b).abs(); print(f'$2: recorded log-probs, kit before vs this kit: max |d| {d.max():.3e}, mean {d.mean():.3e}, \
 {int((d > 0).sum())} of {d.numel()} differ')" >> "$OUT/logp_diff.txt" 2>&1
+}
+kit_programs() {  # P: /tmp/kit_pP, a copy of this kit whose AttentionPlan defaults to P programs
+  [ -d "/tmp/kit_p$1/opdkit" ] && return
+  mkdir -p "/tmp/kit_p$1" && cp -r opdkit "/tmp/kit_p$1/"
+  sed -i "s/programs: int = 256,/programs: int = $1,/" "/tmp/kit_p$1/opdkit/engines/decode_kernels.py"
+  grep -c "programs: int = $1," "/tmp/kit_p$1/opdkit/engines/decode_kernels.py" >> "$OUT/calls.txt"
 }
 s1_1024_before_after() {  # SECONDS: S1 at 1,024 new tokens, 4 steps, of the kit before (.speed/head) and this kit
   s1_run s1_1024_before 4 "$1" --kit .speed/head -S rollout.max_new_tokens=1024
@@ -286,6 +299,31 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168 4 150 -S rollout.max_new_tokens=7168
     s1_run s1_1024 4 90 -S rollout.max_new_tokens=1024
     lim 100 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    ;;
+  x1)
+    lim 130 python3 bench/attn_bench.py --out "$OUT" --programs 128,64 --capacities 7408,1264 --budget-s 110 \
+      > "$OUT/attn_log.txt" 2>&1
+    for P in 128 64; do kit_programs "$P"; done
+    for kit in "" /tmp/kit_p128 /tmp/kit_p64; do
+      lim 100 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 7168 \
+        --impls new >> "$OUT/parts.txt" 2>&1
+    done
+    ;;
+  x2)  # (~8 min with the preparation; 7,168 runs took 106-116 s on 2026-12-05)
+    P=${X2_PROGRAMS:-128}
+    kit_programs "$P"
+    s1_run s1_7168 4 140 -S rollout.max_new_tokens=7168
+    s1_run s1_7168_keepmm 4 140 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
+    s1_run "s1_7168_p$P" 4 140 --kit "/tmp/kit_p$P" -S rollout.max_new_tokens=7168
+    ;;
+  x3)  # (after x2) the GPU tests; the static decoder at 1,024 of this kit and /tmp/kit_p$X2_PROGRAMS (~6 min)
+    P=${X2_PROGRAMS:-128}
+    kit_programs "$P"
+    decoder_tests 230
+    for kit in "" "/tmp/kit_p$P"; do
+      lim 70 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+        --impls new >> "$OUT/parts.txt" 2>&1
+    done
     ;;
   e0|e1)  # e0: the kit's decoder alone (no vLLM needed)
     for eng in hf $([ "$PHASE" = e1 ] && echo vllm); do
