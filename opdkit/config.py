@@ -380,6 +380,11 @@ class RuntimeConfig:
     # a short step recomputes nothing and a long one only what memory requires. The same gradients; 0 = every layer
     # checkpointed. One process only (a sharded student checkpoints every layer).
     unchecked_layers_memory: float = 0.9
+    # Under grad_checkpointing with that share: checkpointed layers first keep their projections' outputs too (their
+    # recompute then runs only the elementwise ops), as many as the share holds (tokens x memory.kept_matmul_bytes
+    # each), and only the rest of it leaves layers unchecked (memory.layer_plan). The same gradients; false = the
+    # share leaves layers unchecked only. Off until measured on a GPU (docs/gpu_pending.md)
+    checkpoint_keep_matmuls: bool = False
     logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab
     # Score and train each sequence on its own, trimmed of its pads: attention then runs causal with
     # no mask (flash kernels) instead of a masked kernel over the padded S x S square. For long

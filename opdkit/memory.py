@@ -23,8 +23,8 @@ projection saves its own bf16 cast. With gradient checkpointing a layer keeps on
 (``H``) and one layer is recomputed at a time. Allocator overhead, fragmentation and kernel
 workspaces are not counted: this is an estimate, not a measurement. Under checkpointing this is
 what the update needs; on a GPU its last layers then also run unchecked in what memory is left
-(``runtime.unchecked_layers_memory``, ``step.uncheck_layers``), so a run's peak is higher where memory
-allows it.
+(``runtime.unchecked_layers_memory``, ``step.uncheck_layers``), or first keep their projections' outputs
+(``runtime.checkpoint_keep_matmuls``, ``layer_plan``), so a run's peak is higher where memory allows it.
 """
 
 from __future__ import annotations
@@ -92,6 +92,30 @@ def layer_activation_bytes(hidden: int, kv: int, intermediate: int, compute_byte
         return 4 * (9 * H + 2 * kv + 4 * Im)
     # autocast: the norms' inputs and outputs (4 H) in fp32; each projection's own cast of its input
     return 4 * 4 * H + compute_bytes * (8 * H + 2 * kv + 4 * Im)  # (5 + 1) H inputs, attention 2 H + 2 kv, MLP 4 I
+
+
+def kept_matmul_bytes(hidden: int, kv: int, intermediate: int, compute_bytes: int) -> int:
+    """Bytes per token that a checkpointed layer keeping its matmuls (``models.keep_matmuls_policy``) saves beyond
+    its input and attention output: the projections' outputs, q/k/v (``H + 2 kv``), o, gate and up (``2 I``) and down,
+    in the compute dtype (``compute_bytes``)."""
+    return compute_bytes * (3 * hidden + 2 * kv + 2 * intermediate)
+
+
+def layer_plan(budget_bytes: int, tokens: int, layer_bytes_per_token: int, kept_bytes_per_token: int,
+               n_layers: int) -> tuple[int, int]:
+    """How ``n_layers`` checkpointed decoder layers spend ``budget_bytes`` of spare memory at ``tokens`` tokens:
+    (unchecked, keeping their matmuls). A layer that keeps its matmuls (``kept_bytes_per_token``,
+    ``kept_matmul_bytes``) skips the recompute's matrix products, most of a layer's forward, for less memory than
+    an unchecked one (``layer_bytes_per_token``) skips the rest: so as many layers as fit keep their matmuls, then
+    of those as many as the rest of the budget allows run unchecked. ``kept_bytes_per_token`` 0: unchecked only
+    (``layers_without_checkpointing``)."""
+    if kept_bytes_per_token <= 0:
+        return layers_without_checkpointing(budget_bytes, tokens, layer_bytes_per_token, n_layers), 0
+    kept = layers_without_checkpointing(budget_bytes, tokens, kept_bytes_per_token, n_layers)
+    left = budget_bytes - kept * max(1, tokens * kept_bytes_per_token)
+    unchecked = min(kept, layers_without_checkpointing(left, tokens, layer_bytes_per_token - kept_bytes_per_token,
+                                                       n_layers))
+    return unchecked, kept - unchecked
 
 
 def layers_without_checkpointing(budget_bytes: int, tokens: int, layer_bytes_per_token: int, n_layers: int) -> int:

@@ -213,11 +213,27 @@ ATTENTION_OPS = ("torch_attn._varlen_attn", "aten._scaled_dot_product_flash_atte
                  "aten._scaled_dot_product_flash_attention_for_cpu")
 
 
+# the projections' matrix products (a linear layer's, under autocast too) whose outputs a layer that keeps its
+# matmuls saves (``checkpoint_all_but_last``)
+MATMUL_OPS = ("aten.mm", "aten.addmm")
+
+
 def keep_attention_policy(ctx, op, *args, **kwargs):
     """Selective activation checkpointing's policy: save the attention ops' outputs, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if str(op).rsplit(".", 1)[0] in ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_matmuls_policy(ctx, op, *args, **kwargs):
+    """Selective activation checkpointing's policy: save the attention ops' and the projections' outputs
+    (``MATMUL_OPS``), recompute the rest: the backward's recompute of a layer then runs only its elementwise
+    ops (norms, rotary, casts, the MLP's activation), on the values the forward saved."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if str(op).rsplit(".", 1)[0] in ATTENTION_OPS + MATMUL_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -250,11 +266,29 @@ def hf_checkpointing(model, on: bool, kwargs: dict | None = None) -> None:
         model.gradient_checkpointing_disable()
 
 
-def checkpoint_all_but_last(layers, n_unchecked: int) -> None:
+def checkpoint_all_but_last(layers, n_unchecked: int, n_keep_matmuls: int = 0) -> None:
     """Under gradient checkpointing (``enable_checkpointing``): the last ``n_unchecked`` of the decoder's
     ``layers`` run without it (they keep their activations for the backward instead of recomputing them),
-    the others with it. The same values and gradients either way (the recompute runs the same kernels on
-    the same inputs): more memory for less compute. The last layers, because the backward reaches them
-    first and frees what they kept before the others' recomputes need memory."""
+    the ``n_keep_matmuls`` before them with it but keeping their projections' and attention's outputs
+    (``keep_matmuls_policy``: their recompute runs only the elementwise ops), the others as
+    ``enable_checkpointing`` set them. The same values and gradients either way (the recompute runs the
+    same kernels on the same inputs): more memory for less compute. The last layers, because the
+    backward reaches them first and frees what they kept before the others' recomputes need memory."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    L = len(layers)
     for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i < len(layers) - n_unchecked
+        layer.gradient_checkpointing = i < L - n_unchecked
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if func is None:
+            continue
+        base = getattr(func, "opdkit_base", func)  # as enable_checkpointing set it
+        if L - n_unchecked - n_keep_matmuls <= i < L - n_unchecked:
+            func = functools.partial(base, context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                                         keep_matmuls_policy))
+            func.opdkit_base = base
+        else:
+            func = base
+        layer._gradient_checkpointing_func = func

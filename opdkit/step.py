@@ -310,23 +310,24 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
     (``optim.micro_batch``), ``teacher_names`` (the names of ``teachers``, in order, whose rows
     ``Batch.teacher_B`` numbers; () with one teacher), ``vocab_map`` (``teacher.vocab_map``, read
     with ``teacher.tokenizer=own`` and a full-distribution loss) and ``unchecked_memory``
-    (``runtime.unchecked_layers_memory`` for a checkpointed student: ``uncheck_layers``; 0: leave its
-    layers as they are).
+    (``runtime.unchecked_layers_memory`` for a checkpointed student: ``uncheck_layers``, whose plan the
+    metrics report as ``unchecked_layers_max`` / ``matmul_layers_max``; 0: leave its layers as they are).
     """
     ro = batch.rollout
     n_tokens = max(1.0, float(ro.completion_mask_B_T.sum()) if n_tokens is None else n_tokens)
     chunk = runtime.logprob_chunk
     gather_once = layers_gathered if runtime.unpadded_rows else contextlib.nullcontext  # rows run one by one
-    parts, total = [], 0.0
+    parts, total, plans = [], 0.0, []
     _, s_head = unwrap(student)
     slices = micro_slices(batch, micro_batch)
     check_same_on_ranks(student, len(slices), "micro-batches")
     for rows, t_ctx in zip(slices, contexts):
         g = opd.student_geometry(batch, rows)
         with autocast(), gather_once(student):
-            if unchecked_memory > 0:
-                uncheck_layers(student, g, unchecked_memory, runtime.unpadded_rows,
-                               keep_attention=runtime.checkpoint_keep_attention, chunk=chunk)
+            if unchecked_memory > 0:  # the layer plan, as train.jsonl's unchecked_layers_max / matmul_layers_max
+                plans.append(uncheck_layers(student, g, unchecked_memory, runtime.unpadded_rows,
+                                            keep_attention=runtime.checkpoint_keep_attention, chunk=chunk,
+                                            keep_matmuls=runtime.checkpoint_keep_matmuls))
             h_B_T_H = completion_hidden(student, g, runtime.unpadded_rows)
         h_leaf = h_B_T_H.detach().requires_grad_(True)
         if t_ctx is not None and t_ctx.cross_tokenizer:  # teacher.tokenizer=own: t~ of merged spans' tokens
@@ -348,16 +349,21 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
             h_B_T_H.backward(h_leaf.grad)  # through the decoder, once per micro-batch: gradients reduced here
     out = combine(parts)
     out["loss"] = total
+    if plans:
+        out["unchecked_layers_max"], out["matmul_layers_max"] = (max(p[i] for p in plans) for i in (0, 1))
     return out
 
 
-def uncheck_layers(student, g, share: float, unpadded: bool, *, keep_attention: bool, chunk: int) -> int:
-    """Before a checkpointed ``student``'s forward over geometry ``g``: its last layers run without
-    checkpointing, as many as ``share`` of the GPU memory that the update would leave free with every
-    layer checkpointed holds (free now, less ``memory.checkpointed_update_bytes``: gradients, checkpointed
-    activations with ``keep_attention``, one logits chunk of ``chunk`` positions), at this micro-batch's
-    tokens (``g``'s real tokens when ``unpadded`` rows run pads removed, else every position); the others
-    checkpointed (``models.checkpoint_all_but_last``). The same gradients. Returns the unchecked count."""
+def uncheck_layers(student, g, share: float, unpadded: bool, *, keep_attention: bool, chunk: int,
+                   keep_matmuls: bool = False) -> tuple[int, int]:
+    """Before a checkpointed ``student``'s forward over geometry ``g``: how its layers spend ``share`` of the GPU
+    memory that the update would leave free with every layer checkpointed (free now, less
+    ``memory.checkpointed_update_bytes``: gradients, checkpointed activations with ``keep_attention``, one logits
+    chunk of ``chunk`` positions), at this micro-batch's tokens (``g``'s real tokens when ``unpadded`` rows run
+    pads removed, else every position): with ``keep_matmuls`` (runtime.checkpoint_keep_matmuls) as many layers as
+    fit keep their projections' outputs and of those as many as the rest allows run unchecked
+    (``memory.layer_plan``), else only unchecked layers, as many as fit; the others checkpointed
+    (``models.checkpoint_all_but_last``). The same gradients. Returns (unchecked, keeping their matmuls)."""
     decoder, _ = unwrap(student)
     param = next(decoder.parameters())
     compute_bytes = 2 if torch.is_autocast_enabled(param.device.type) else param.element_size()
@@ -366,10 +372,11 @@ def uncheck_layers(student, g, share: float, unpadded: bool, *, keep_attention: 
     reserve = memory.checkpointed_update_bytes(s, tokens, g.input_ids_B_S.shape[0], min(chunk, g.completion_len),
                                                compute_bytes, keep_attention)
     budget = int(share * max(0, memory.free_device_bytes(param.device) - reserve))
-    n = memory.layers_without_checkpointing(budget, tokens, memory.layer_activation_bytes(
-        s.hidden, s.kv, s.intermediate, compute_bytes), len(decoder.layers))
-    checkpoint_all_but_last(decoder.layers, n)
-    return n
+    layer = memory.layer_activation_bytes(s.hidden, s.kv, s.intermediate, compute_bytes)
+    kept = memory.kept_matmul_bytes(s.hidden, s.kv, s.intermediate, compute_bytes) if keep_matmuls else 0
+    n, k = memory.layer_plan(budget, tokens, layer, kept, len(decoder.layers))
+    checkpoint_all_but_last(decoder.layers, n, k)
+    return n, k
 
 
 def chunk_loss(L: LossConfig, h_s_B_C_H, s_head, t_ctx, sl, batch: opd.Batch, rows: slice, n_tokens: float, *,

@@ -154,7 +154,7 @@ def test_uncheck_layers_leaves_unchecked_as_many_layers_as_the_spare_memory_hold
     real, every = int(g.attention_mask_B_S.sum()), g.input_ids_B_S.numel()
     assert real < every
     per_token = memory.layer_activation_bytes(s.hidden, s.kv, s.intermediate, 4)
-    uncheck = lambda unpadded: step.uncheck_layers(model, g, 0.5, unpadded, keep_attention=True, chunk=3)  # noqa: E731
+    uncheck = lambda unpadded: step.uncheck_layers(model, g, 0.5, unpadded, keep_attention=True, chunk=3)[0]  # noqa: E731
     assert uncheck(True) == 0  # the CPU: no free device memory counted
     assert all(lay.gradient_checkpointing for lay in layers)
     reserve = 4 * s.trainable + real * memory.activation_bytes_per_token(s, 4, True, True) + 3 * 4 * 2 * 3 * s.rows
@@ -170,3 +170,39 @@ def test_uncheck_layers_leaves_unchecked_as_many_layers_as_the_spare_memory_hold
     assert uncheck(True) == 2  # at most every layer
     monkeypatch.setattr(memory, "free_device_bytes", lambda device: reserve - 1)
     assert uncheck(True) == 0
+    # runtime.checkpoint_keep_matmuls: the share first keeps layers' matmuls, then leaves some of those unchecked
+    kept = memory.kept_matmul_bytes(s.hidden, s.kv, s.intermediate, 4)
+    plan = lambda: step.uncheck_layers(model, g, 0.5, True, keep_attention=True, chunk=3, keep_matmuls=True)  # noqa: E731
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: reserve + 2 * real * kept)
+    assert plan() == (0, 1)  # half the spare memory: one layer's matmuls
+    assert [lay.gradient_checkpointing for lay in layers] == [True, True]
+    assert "context_fn" in layers[1]._gradient_checkpointing_func.keywords
+    assert "context_fn" not in getattr(layers[0]._gradient_checkpointing_func, "keywords", {})
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: reserve + 2 * real * (2 * kept + per_token - kept))
+    assert plan() == (1, 1)  # both keep their matmuls; the rest unchecks the last
+    assert [lay.gradient_checkpointing for lay in layers] == [True, False]
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device: reserve - 1)
+    assert plan() == (0, 0) and all(lay.gradient_checkpointing for lay in layers)  # and back to enable_checkpointing's
+    assert all("context_fn" not in getattr(lay._gradient_checkpointing_func, "keywords", {}) for lay in layers)
+
+
+def test_the_layer_plan_keeps_matmuls_first_then_leaves_layers_unchecked():
+    """memory.layer_plan: as many layers as the budget holds keep their matmuls (kept bytes each); of those, as many
+    as the rest holds at the difference run unchecked; never more than the layers; without kept bytes, unchecked
+    only (layers_without_checkpointing)."""
+    from opdkit.memory import kept_matmul_bytes, layer_activation_bytes, layer_plan
+
+    tokens, full, kept = 1000, 120, 40
+    assert layer_plan(0, tokens, full, kept, 28) == (0, 0)
+    assert layer_plan(-5, tokens, full, kept, 28) == (0, 0)
+    assert layer_plan(3 * tokens * kept, tokens, full, kept, 28) == (0, 3)
+    assert layer_plan(3 * tokens * kept - 1, tokens, full, kept, 28) == (0, 2)
+    assert layer_plan(28 * tokens * kept + 2 * tokens * (full - kept), tokens, full, kept, 28) == (2, 26)
+    assert layer_plan(28 * tokens * full, tokens, full, kept, 28) == (28, 0)
+    assert layer_plan(10**15, tokens, full, kept, 28) == (28, 0)
+    assert layer_plan(5 * tokens * full, tokens, full, 0, 28) == (5, 0)
+    # S1 at 7,168 new tokens on an H200 (~58,300 tokens, the 1.5B shape, bf16 autocast), ~54 GB spare: ~20 layers
+    # keep their matmuls where 7 would run unchecked
+    full, kept = layer_activation_bytes(1536, 256, 8960, 2), kept_matmul_bytes(1536, 256, 8960, 2)
+    assert layer_plan(54 * 10**9, 58_300, full, kept, 28) == (0, 20)
+    assert layer_plan(54 * 10**9, 58_300, full, 0, 28) == (7, 0)

@@ -147,3 +147,47 @@ def test_layers_left_unchecked_give_the_same_gradients_and_are_not_recomputed(to
             assert other.keys() == grads[0].keys()
             for k in grads[0]:
                 assert torch.equal(grads[0][k], other[k]), k
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_layers_keeping_their_matmuls_give_the_same_gradients_and_recompute_no_matmul(tok, autocast):
+    """runtime.checkpoint_keep_matmuls (models.checkpoint_all_but_last's layers that keep their matmuls): the
+    backward's recompute of such a layer runs none of its projections' matrix products (they come from what the
+    forward saved), and the gradients are bit for bit those of recomputing every layer and of leaving every layer
+    unchecked, in fp32 and under bf16 autocast over fp32 weights."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from opdkit import models
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += str(func).rsplit(".", 1)[0] in models.MATMUL_OPS
+            return func(*args, **(kwargs or {}))
+
+    model, geo = _two_rows(tok, layers=3)
+    layers = model.model.layers
+    results = {}
+    for plan in [(0, 0), (0, 3), (1, 1), (3, 0)]:  # (unchecked, keeping their matmuls)
+        hf_checkpointing(model, False)
+        models.enable_checkpointing(model, keep_attention=True)
+        models.checkpoint_all_but_last(layers, *plan)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h = packing.packed_hidden(model.model, geo.input_ids_B_S, geo.attention_mask_B_S, geo.prompt_width, 7)
+        counter = CountMatmuls()
+        with counter:
+            (h.float() * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+        results[plan] = counter.n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    n_full, g_full = results[(0, 0)]
+    recompute = {plan: n - results[(3, 0)][0] for plan, (n, _) in results.items()}
+    # a recompute stops once the backward's inputs are back: six of a layer's seven products (not down's output)
+    assert recompute == {(0, 0): 3 * 6, (0, 3): 0, (1, 1): 1 * 6, (3, 0): 0}, recompute  # (1, 1): layer 0 recomputes
+    assert len(g_full) > 10
+    for plan, (_, g) in results.items():
+        assert g.keys() == g_full.keys()
+        for k in g_full:
+            assert torch.equal(g_full[k], g[k]), (plan, k)
