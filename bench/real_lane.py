@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
 KEEP = ("step", "elapsed_s", "time_rollout_s", "time_score_s", "time_update_s", "peak_mem_gb", "tokens",
-        "truncated_frac", "loss", "kl", "grad_norm", "ratio_max", "rollout_lag")
+        "truncated_frac", "loss", "kl", "grad_norm", "ratio_max", "rollout_lag", "unchecked_layers_max",
+        "matmul_layers_max")
 
 
 def _append(out: Path, row: dict) -> None:
