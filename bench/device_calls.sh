@@ -81,8 +81,8 @@
 #                                AttentionPlan defaults to 128 / 64 programs (/tmp/kit_p128, /tmp/kit_p64) (~8 min)
 #   x2: carry .lane              (after x1; the copy is remade if the machine is fresh) S1 at 7,168, 4 steps: this kit,
 #                                this kit with runtime.checkpoint_keep_matmuls, /tmp/kit_p$X2_PROGRAMS (128) (~8 min)
-#   x3: carry .lane              the GPU tests; the static decoder at 1,024 (digest), this kit and /tmp/kit_p$X2_PROGRAMS
-#                                (~6 min)
+#   x3: carry .lane              S1 at 7,168 with both (/tmp/kit_p$X2_PROGRAMS and the switch); that copy's static decoder
+#                                at 1,024 (the samples' digest); the GPU tests (~9.5 min with the preparation)
 #   e0: carry .lane              e1's evaluation through the kit's decoder alone (~3 min with the pair's preparation)
 #   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
 #                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
@@ -316,14 +316,15 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168_keepmm 4 140 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
     s1_run "s1_7168_p$P" 4 140 --kit "/tmp/kit_p$P" -S rollout.max_new_tokens=7168
     ;;
-  x3)  # (after x2) the GPU tests; the static decoder at 1,024 of this kit and /tmp/kit_p$X2_PROGRAMS (~6 min)
+  x3)  # (after x2) S1 at 7,168 with both levers; the static decoder's digest at 1,024 of /tmp/kit_p$X2_PROGRAMS (this
+    # kit's is known: 6c135eec39d00eb1); the GPU tests (~9.5 min with the preparation)
     P=${X2_PROGRAMS:-128}
     kit_programs "$P"
-    decoder_tests 230
-    for kit in "" "/tmp/kit_p$P"; do
-      lim 70 env SPEED_KIT=$kit python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
-        --impls new >> "$OUT/parts.txt" 2>&1
-    done
+    s1_run "s1_7168_p${P}_keepmm" 4 140 --kit "/tmp/kit_p$P" -S rollout.max_new_tokens=7168 \
+      -S runtime.checkpoint_keep_matmuls=true
+    lim 70 env SPEED_KIT="/tmp/kit_p$P" python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+      --impls new >> "$OUT/parts.txt" 2>&1
+    decoder_tests 200
     ;;
   e0|e1)  # e0: the kit's decoder alone (no vLLM needed)
     for eng in hf $([ "$PHASE" = e1 ] && echo vllm); do
