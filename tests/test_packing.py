@@ -149,12 +149,13 @@ def test_layers_left_unchecked_give_the_same_gradients_and_are_not_recomputed(to
                 assert torch.equal(grads[0][k], other[k]), k
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_layers_keeping_their_matmuls_give_the_same_gradients_and_recompute_no_matmul(tok, autocast):
+@pytest.mark.parametrize("autocast,keep_attention", [(False, True), (True, True), (True, False)])
+def test_layers_keeping_their_matmuls_give_the_same_gradients_and_recompute_no_matmul(tok, autocast, keep_attention):
     """runtime.checkpoint_keep_matmuls (models.checkpoint_all_but_last's layers that keep their matmuls): the
     backward's recompute of such a layer runs none of its projections' matrix products (they come from what the
     forward saved), and the gradients are bit for bit those of recomputing every layer and of leaving every layer
-    unchecked, in fp32 and under bf16 autocast over fp32 weights."""
+    unchecked, in fp32 and under bf16 autocast over fp32 weights, whether the other layers keep their attention
+    outputs (runtime.checkpoint_keep_attention) or not."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from opdkit import models
@@ -173,7 +174,7 @@ def test_layers_keeping_their_matmuls_give_the_same_gradients_and_recompute_no_m
     results = {}
     for plan in [(0, 0), (0, 3), (1, 1), (3, 0)]:  # (unchecked, keeping their matmuls)
         hf_checkpointing(model, False)
-        models.enable_checkpointing(model, keep_attention=True)
+        models.enable_checkpointing(model, keep_attention=keep_attention)
         models.checkpoint_all_but_last(layers, *plan)
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
