@@ -8,6 +8,7 @@ on the target device and dtype, for benchmarks and GPU tests on machines with no
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import weakref
@@ -218,24 +219,21 @@ ATTENTION_OPS = ("torch_attn._varlen_attn", "aten._scaled_dot_product_flash_atte
 MATMUL_OPS = ("aten.mm", "aten.addmm")
 
 
-def keep_attention_policy(ctx, op, *args, **kwargs):
-    """Selective activation checkpointing's policy: save the attention ops' outputs, recompute the rest."""
+def _save_outputs_of(saved: tuple[str, ...], ctx, op, *args, **kwargs):
+    """Selective activation checkpointing's policy: save the outputs of the ops named in ``saved``, recompute
+    the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if str(op).rsplit(".", 1)[0] in ATTENTION_OPS:
+    if str(op).rsplit(".", 1)[0] in saved:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def keep_matmuls_policy(ctx, op, *args, **kwargs):
-    """Selective activation checkpointing's policy: save the attention ops' and the projections' outputs
-    (``MATMUL_OPS``), recompute the rest: the backward's recompute of a layer then runs only its elementwise
-    ops (norms, rotary, casts, the MLP's activation), on the values the forward saved."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if str(op).rsplit(".", 1)[0] in ATTENTION_OPS + MATMUL_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+# save the attention ops' outputs, recompute the rest
+keep_attention_policy = functools.partial(_save_outputs_of, ATTENTION_OPS)
+# save the attention ops' and the projections' outputs: the backward's recompute of a layer then runs only its
+# elementwise ops (norms, rotary, casts, the MLP's activation), on the values the forward saved
+keep_matmuls_policy = functools.partial(_save_outputs_of, ATTENTION_OPS + MATMUL_OPS)
 
 
 def enable_checkpointing(model, keep_attention: bool) -> None:
@@ -245,8 +243,6 @@ def enable_checkpointing(model, keep_attention: bool) -> None:
     the memory of its output (tokens x hidden in bf16, and the log-sum-exp, per layer)."""
     kwargs = {"use_reentrant": False}
     if keep_attention:
-        import functools
-
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_attention_policy)
@@ -274,8 +270,6 @@ def checkpoint_all_but_last(layers, n_unchecked: int, n_keep_matmuls: int = 0) -
     ``enable_checkpointing`` set them. The same values and gradients either way (the recompute runs the
     same kernels on the same inputs): more memory for less compute. The last layers, because the
     backward reaches them first and frees what they kept before the others' recomputes need memory."""
-    import functools
-
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     L = len(layers)

@@ -350,7 +350,8 @@ def micro_losses(loss: LossConfig, student, batch: opd.Batch, contexts: list, au
     out = combine(parts)
     out["loss"] = total
     if plans:
-        out["unchecked_layers_max"], out["matmul_layers_max"] = (max(p[i] for p in plans) for i in (0, 1))
+        out["unchecked_layers_max"] = max(n for n, _ in plans)
+        out["matmul_layers_max"] = max(k for _, k in plans)
     return out
 
 

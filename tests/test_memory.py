@@ -201,8 +201,9 @@ def test_the_layer_plan_keeps_matmuls_first_then_leaves_layers_unchecked():
     assert layer_plan(28 * tokens * full, tokens, full, kept, 28) == (28, 0)
     assert layer_plan(10**15, tokens, full, kept, 28) == (28, 0)
     assert layer_plan(5 * tokens * full, tokens, full, 0, 28) == (5, 0)
-    # S1 at 7,168 new tokens on an H200 (~58,300 tokens, the 1.5B shape, bf16 autocast), ~54 GB spare: ~20 layers
-    # keep their matmuls where 7 would run unchecked
+    # S1 at 7,168 new tokens on an H200 (~58,300 tokens, the 1.5B shape, bf16 autocast), ~54 GB spare: a kept layer
+    # 58,300 x 46,080 B = 2.69 GB (20 fit; the 0.27 GB left unchecks none: 58,300 x 75,776 B = 4.42 GB each), an
+    # unchecked one 58,300 x 121,856 B = 7.10 GB (7 fit)
     full, kept = layer_activation_bytes(1536, 256, 8960, 2), kept_matmul_bytes(1536, 256, 8960, 2)
     assert layer_plan(54 * 10**9, 58_300, full, kept, 28) == (0, 20)
     assert layer_plan(54 * 10**9, 58_300, full, 0, 28) == (7, 0)
