@@ -130,7 +130,15 @@ def cmd_eval(args) -> int:
     cfg = _config(args)  # bad params are refused before torch is imported
     from opdkit import paths
     from opdkit.data import load_eval_examples
-    from opdkit.evaluate import check_engine, check_out, evaluate, parse_tags, protocol_record, write_eval
+    from opdkit.evaluate import (
+        check_engine,
+        check_out,
+        evaluate,
+        parse_tags,
+        protocol_record,
+        weights_device,
+        write_eval,
+    )
     from opdkit.models import check_model_dir, compute_dtype, load_model, pick_device, setup_torch
     from opdkit.pairs import tokenizer_of
 
@@ -148,9 +156,9 @@ def cmd_eval(args) -> int:
 
             check_gpu_free()
         device = pick_device(cfg.runtime)
-        model = load_model(args.model, device, compute_dtype(cfg.runtime, device))
+        model = load_model(args.model, weights_device(cfg.eval, device), compute_dtype(cfg.runtime, device))
         summary, records = evaluate(model, tok, examples, cfg.data, cfg.eval, progress=not args.quiet,
-                                    log=lambda line: print(line, file=sys.stderr))
+                                    log=lambda line: print(line, file=sys.stderr), device=device)
     summary.update(model=str(args.model),
                    data=str(data_paths[0]) if len(data_paths) == 1 else [str(d) for d in data_paths],
                    **protocol_record(cfg.eval, summary["n_questions"]))

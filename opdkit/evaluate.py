@@ -54,17 +54,19 @@ def decode_rows(batch_size: int, per_row: int, available: int, share: float, max
 
 
 def sample_answers(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
-                   progress: bool = True, available: int | None = None, log=None) -> list[dict]:
+                   progress: bool = True, available: int | None = None, log=None,
+                   device: torch.device | None = None) -> list[dict]:
     """One record per (question, sample): ids, completion text, token count, truncated flag. ``eval.engine=hf``:
     each decode call takes whole questions' samples, at most ``eval.batch_size`` sequences and no more than fit in
     the memory free once the model and its decoder are in place (``available`` bytes: by default measured on the
     model's device; ``decode_rows``; a question's n samples over several calls where fewer than n fit); the records
     do not depend on how the calls are cut (each sample has its own seed). ``eval.engine=vllm``: every question in
-    one call to ``vllm_engine``'s engine. ``log``: told the rows per call where memory lowers them."""
+    one call to ``vllm_engine``'s engine, on ``device`` (None: the model's; ``weights_device`` keeps the model on
+    the CPU). ``log``: told the rows per call where memory lowers them."""
     prompts_all = [encode_prompt(ex, tokenizer, data) for ex in examples]
     width, n = max((len(p) for p in prompts_all), default=0), ev.n_samples
     if ev.engine == "vllm":
-        engine, per_call = vllm_engine(model, tokenizer, ev, width), max(1, len(examples))
+        engine, per_call = vllm_engine(model, tokenizer, ev, width, device), max(1, len(examples))
     else:
         engine = HFEngine(model, tokenizer)
         rows = _rows_that_fit(model, engine, ev, width, available, len(examples) * n, log)
@@ -172,11 +174,19 @@ def check_engine(ev: EvalConfig) -> None:
                           "version matches your torch); or leave eval.engine at hf")
 
 
-def vllm_engine(model, tokenizer, ev: EvalConfig, prompt_tokens: int):
+def weights_device(ev: EvalConfig, device: torch.device) -> torch.device:
+    """Where ``opdkit eval`` loads the model it evaluates on ``device``: the CPU under ``eval.engine=vllm`` (the
+    engine holds its own bf16 copy on ``device``; the HF model is only the source of that copy, and on the GPU it
+    would take as much memory again from the engine's KV cache), else ``device`` (the HF engine decodes with it)."""
+    return torch.device("cpu") if ev.engine == "vllm" else device
+
+
+def vllm_engine(model, tokenizer, ev: EvalConfig, prompt_tokens: int, device: torch.device | None = None):
     """``eval.engine=vllm``: the rollouts' vLLM engine (``opdkit.engines.vllm.VLLMEngine``, the padding rows cut
-    from its head) built from ``model``'s own directory with ``model``'s weights pushed into it: up to
-    ``eval.batch_size`` sequences decoded at once (continuous batching: a finished sample's slot takes the next),
-    ``eval.gpu_memory_utilization`` of the GPU, ``prompt_tokens`` + ``eval.max_new_tokens`` positions."""
+    from its head) on ``device`` (None: ``model``'s) built from ``model``'s own directory with ``model``'s weights
+    pushed into it: up to ``eval.batch_size`` sequences decoded at once (continuous batching: a finished sample's
+    slot takes the next), ``eval.gpu_memory_utilization`` of the GPU, ``prompt_tokens`` + ``eval.max_new_tokens``
+    positions."""
     from opdkit.config import Config, RolloutConfig
     from opdkit.engines.vllm import VLLMEngine
 
@@ -184,23 +194,23 @@ def vllm_engine(model, tokenizer, ev: EvalConfig, prompt_tokens: int):
     rollout = RolloutConfig(engine="vllm", prompts_per_step=ev.batch_size, samples_per_prompt=1,
                             max_new_tokens=ev.max_new_tokens, max_prompt_tokens=max(1, prompt_tokens),
                             gpu_memory_utilization=ev.gpu_memory_utilization)
-    engine = VLLMEngine(Config(seed=ev.seed, rollout=rollout), model, tokenizer)
+    engine = VLLMEngine(Config(seed=ev.seed, rollout=rollout), model, tokenizer, device)
     engine.sync_weights(model)
     return engine
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples: list[Example], data: DataConfig, ev: EvalConfig,
-             progress: bool = True, log=None) -> tuple[dict, list[dict]]:
-    """Sample (``sample_answers``; ``log`` as there), grade (in the main thread: math-verify uses signals) and
-    summarise. The prompt format is ``eval.prompt_format`` ("" = ``data.prompt_format``), the chat template's
-    enable_thinking ``eval.enable_thinking``."""
+             progress: bool = True, log=None, device: torch.device | None = None) -> tuple[dict, list[dict]]:
+    """Sample (``sample_answers``; ``log`` and ``device`` as there), grade (in the main thread: math-verify uses
+    signals) and summarise. The prompt format is ``eval.prompt_format`` ("" = ``data.prompt_format``), the chat
+    template's enable_thinking ``eval.enable_thinking``."""
     if ev.max_questions:
         examples = examples[: ev.max_questions]
     if ev.prompt_format:
         data = dataclasses.replace(data, prompt_format=ev.prompt_format)
     data = dataclasses.replace(data, enable_thinking=ev.enable_thinking)  # the benchmark's, not training's
-    records = sample_answers(model, tokenizer, examples, data, ev, progress, log=log)
+    records = sample_answers(model, tokenizer, examples, data, ev, progress, log=log, device=device)
     grades = grade_many([r["completion"] for r in records], [r["answer"] for r in records])
     for r, g in zip(records, grades):
         r.update(pred=g["pred"], correct=bool(g["correct"]), has_box=bool(g["has_box"]), graded_by=g["graded_by"])

@@ -180,3 +180,34 @@ def test_quiet_eval_draws_no_progress_bar_at_all(tmp_path, cfg):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Loading weights" not in done.stderr and "it/s" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_vllm_engine_is_the_only_copy_of_the_weights_on_the_evaluating_device(tmp_path, cfg, monkeypatch):
+    """``opdkit eval -S eval.engine=vllm`` loaded the model onto the GPU and built the engine from it: two copies of
+    the weights there, the HF one unused once pushed (at 7B, ~15 GB less for the engine's KV cache). Now the model
+    loads on the CPU (``weights_device``) and the engine is told the device the run picked. Here the picked device
+    is a stand-in (``meta``) and the engine a recording stand-in sampling through the HF engine on the CPU."""
+    import opdkit.evaluate
+    import opdkit.models
+    from opdkit.cli import main
+    from opdkit.engines.hf import HFEngine
+    from opdkit.evaluate import weights_device
+
+    assert weights_device(replace(cfg, "eval.engine=vllm").eval, torch.device("meta")) == torch.device("cpu")
+    assert weights_device(cfg.eval, torch.device("meta")) == torch.device("meta")  # the HF engine decodes with it
+    seen = {}
+
+    def engine(model, tok, ev, width, device=None):
+        seen.update(model=next(model.parameters()).device, engine=device, dtype=next(model.parameters()).dtype)
+        return HFEngine(model, tok)
+
+    monkeypatch.setattr(opdkit.evaluate, "check_engine", lambda ev: None)  # vLLM is not installed here
+    monkeypatch.setattr(opdkit.evaluate, "vllm_engine", engine)
+    monkeypatch.setattr(opdkit.models, "pick_device", lambda rt: torch.device("meta"))
+    monkeypatch.setattr(opdkit.models, "compute_dtype", lambda rt, device: torch.bfloat16)  # as on a GPU
+    out = tmp_path / "e.json"
+    rc = main(["eval", "--model", str(paths.student_path(cfg)), "--out", str(out), "-p", "none", "--quiet",
+               "-S", "eval.engine=vllm", "-S", "eval.max_questions=2", "-S", "eval.n_samples=1",
+               "-S", "eval.max_new_tokens=4", "-S", "runtime.threads=1"])
+    assert rc == 0 and json.loads(out.read_text())["n_samples"] == 2
+    assert seen == {"model": torch.device("cpu"), "engine": torch.device("meta"), "dtype": torch.bfloat16}

@@ -221,9 +221,12 @@ class VLLMEngine:
 
     reads_live_model = False
 
-    def __init__(self, cfg, model, tokenizer):
+    def __init__(self, cfg, model, tokenizer, device: torch.device | None = None):
+        """``device``: where the engine runs and its rollouts land; None = ``model``'s device (the trainer's live
+        model). ``opdkit eval`` keeps its model on the CPU and names the GPU here: the engine's bf16 copy is then
+        the only one on the GPU (the push copies each tensor across)."""
         global ENGINES_BUILT
-        device = next(model.parameters()).device
+        device = torch.device(device) if device is not None else next(model.parameters()).device
         vllm = _require_vllm(device)
         if ENGINES_BUILT:
             raise RuntimeError("a second vLLM engine in this process (e.g. loss.name=sft with "
