@@ -197,8 +197,8 @@ def static(args) -> None:
     replayed decode steps/s, and where a replayed step's device time goes; the same for main's
     version of the module (``--static-main``, the 'before') when given."""
     asked = args.impls.split(",")
-    if set(asked) - {"cublas", "new", "nopdl"}:
-        raise SystemExit(f"--impls {args.impls}: expected names among cublas,new,nopdl")
+    if set(asked) - {"cublas", "new", "nopdl", "merge"}:
+        raise SystemExit(f"--impls {args.impls}: expected names among cublas,new,nopdl,merge")
     from transformers import AutoModelForCausalLM
 
     from opdkit.engines import static as new
@@ -221,8 +221,10 @@ def static(args) -> None:
     seeds = opd.step_seeds(0, 0, len(rows))
     T = args.max_new_tokens or (8 if args.tiny else 2048)
     bw = copy_bandwidth(device)
-    # the projections through cuBLAS / the GEMV kernels (/ the same without programmatic dependent launch)
-    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {}), "nopdl": (new, dict(pdl=False))}
+    # the projections through cuBLAS / the GEMV kernels (/ the same without programmatic dependent launch / with the
+    # attention's merge in its partials kernel)
+    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {}), "nopdl": (new, dict(pdl=False)),
+             "merge": (new, dict(merge_attention=True))}
     impls = {k: impls[k] for k in asked}
     if args.static_main and Path(args.static_main).is_file():
         impls = {"main": (_load_static(args.static_main), {}), **impls}
@@ -904,7 +906,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new,nopdl")
+    ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new,nopdl,merge")
     ap.add_argument("--temperature", type=float, default=1.0, help="static, sample: the sampling temperature")
     ap.add_argument("--top-p", type=float, default=1.0, help="static, sample: top-p (below 1: the nucleus search)")
     ap.add_argument("--prompts", type=int, default=2, help="static: prompts (rows: 4 samples of each)")

@@ -27,9 +27,10 @@ KERNELS = {
                            dict(BP=16, BLOCK_N=64, SPLIT=4, HAS_BIAS=True, SILU=False)),
     "rope_attn_partial_kernel": (dict(qkv_ptr=BF, cos_ptr=BF, sin_ptr=BF, pos_ptr=I64, k_ptr=BF, v_ptr=BF,
                                       start_ptr=I64, end_ptr=I64, end_offset=I32, acc_ptr=F32, m_ptr=F32, l_ptr=F32,
-                                      scale="fp32", stride_qkv=I32, stride_cb=I32, stride_ck=I32, stride_cl=I32),
-                                 dict(H=12, K=2, G=6, GP=16, D=128, CHUNK=256, BLOCK_N=64, NSPLIT=32, IEEE=False,
-                                      STATIC_LOOP=False)),
+                                      count_ptr="*i32", out_ptr=BF, scale="fp32", stride_qkv=I32, stride_cb=I32,
+                                      stride_ck=I32, stride_cl=I32),
+                                 dict(H=12, K=2, G=6, GP=16, D=128, CHUNK=256, BLOCK_N=64, NSPLIT=32, NSP=32,
+                                      MERGE=False, IEEE=False, STATIC_LOOP=False)),
     "attn_reduce_kernel": (dict(acc_ptr=F32, m_ptr=F32, l_ptr=F32, out_ptr=BF), dict(NSPLIT=32, NSP=32, D=128)),
     "add_rms_norm_kernel": (dict(h_ptr=BF, r_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32", stride_h=I32,
                                  stride_r=I32), dict(BLOCK=2048)),
@@ -120,3 +121,19 @@ def test_the_kernels_contract_multiply_adds_as_they_were_checked():
     unfused = _ptx("rope_attn_partial_kernel", False, _options={"enable_fp_fusion": False})
     assert any(re.match(r"fma\.rn\.f32", line) for line in fused)
     assert not any(re.match(r"fma\.rn\.f32", line) for line in unfused)
+
+
+def test_the_merge_in_the_partials_kernel_counts_its_split_after_a_barrier_with_an_acquire_release_atomic():
+    """``AttentionPlan(merge=True)``: a program's partials are published by its count, so on the GPU the count must
+    be an acquire-release atomic at the GPU's scope after a block barrier that follows every store of the partials
+    (the interpreter runs programs one after another and cannot show a race), and the merge's loads and its output
+    stores must come after the count. Without MERGE no atomic is there."""
+    merged, plain = _ptx("rope_attn_partial_kernel", True, MERGE=True), _ptx("rope_attn_partial_kernel", True)
+    assert not any("atom." in line for line in plain)
+    count = _first(merged, r"atom\.global\.gpu\.acq_rel\.add")
+    assert count < len(merged)
+    stores = [i for i, line in enumerate(merged[:count]) if re.search(STORE, line)]
+    assert stores and any(re.search(r"bar\.sync", line) for line in merged[stores[-1]:count])  # stores, barrier, count
+    after = merged[count + 1:]
+    assert any(re.search(LOAD, line) for line in after) and any(re.search(STORE, line) for line in after)
+    assert any(re.search(r"atom\.global\.gpu\.\S*exch", line) for line in after)  # the counter set back to zero

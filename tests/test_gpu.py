@@ -82,6 +82,63 @@ def test_programmatic_dependent_launch_changes_no_sample(tok):
             assert all(torch.equal(g, e) for g, e in zip(got, want))
 
 
+def test_the_attention_merged_in_its_partials_kernel_changes_no_bit(tok):
+    """``AttentionPlan(merge=True)`` (``rollout.decode_merge_attention``): the last split of each (row, K/V head) to
+    finish merges the partials, publishing each split's partials by an atomic count. A count that published too early
+    would merge partials not yet written: so, at the 1.5B shape (16 splits at S1's 7,408 slots), many launches back to
+    back and replayed from a CUDA graph, with and without PDL, each the bits of the two-kernel merge; then the
+    decoder's samples and log-probs with and without it, from graphs and eagerly."""
+    from opdkit.engines import decode_kernels as dk
+    from opdkit.engines.base import left_pad
+    from opdkit.engines.static import StaticDecoder
+
+    torch.manual_seed(4)
+    B, H, K, D, L = 8, 12, 2, 128, 7408
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    qkv = torch.randn(B, (H + 2 * K) * D, **bf)
+    ang = torch.randn(L, D // 2, device="cuda")
+    cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
+    pos = torch.randint(0, L, (B,), device="cuda")
+    kc, vc = torch.randn(B, K, L, D, **bf), torch.randn(B, K, L, D, **bf)
+    start = torch.randint(0, 300, (B,), device="cuda")
+    pdls = (True, False) if dk.pdl_available("cuda") else (False,)
+    for pdl in pdls:
+        two, one = dk.AttentionPlan(B, H, K, D, L, "cuda", pdl=pdl), dk.AttentionPlan(B, H, K, D, L, "cuda", pdl=pdl,
+                                                                                         merge=True)
+        assert one.nsplit == two.nsplit >= 16
+        for end in (9, 301, 2000, 4097, L):
+            end_1 = torch.tensor([end], device="cuda")
+            want = dk.rope_attention(qkv, cos, sin, pos, kc.clone(), vc.clone(), start, end_1, D ** -0.5, two, H, K)
+            k1, v1 = kc.clone(), vc.clone()
+            for _ in range(50):
+                got = dk.rope_attention(qkv, cos, sin, pos, k1, v1, start, end_1, D ** -0.5, one, H, K)
+                assert torch.equal(got, want), (pdl, end)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [dk.rope_attention(qkv, cos, sin, pos, k1, v1, start, end_1, D ** -0.5, one, H, K)
+                        for _ in range(28)]
+            for _ in range(20):
+                graph.replay()
+                torch.cuda.synchronize()
+                assert all(torch.equal(o, want) for o in outs), (pdl, end)
+            assert not one.count.any()  # every launch left its counters at zero
+    model = _small(len(tok), "qwen2", layers=4, dtype=torch.bfloat16)
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."] * 2]
+    ids, mask = left_pad(prompts, tok.pad_token_id, "cuda")
+    kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=600, eos_ids=[-1])
+    for pdl in pdls:
+        for graphs in (True, False):
+            runs = [StaticDecoder(model, pdl=pdl, use_graphs=graphs, merge_attention=m).generate(
+                ids, mask, list(range(6)), **kw) for m in (False, True)]
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), (pdl, graphs)
+    from opdkit.config import load_config
+    from opdkit.engines.select import make_engine
+
+    for on in (False, True):  # the params key reaches the rollouts' decoder
+        engine = make_engine(load_config(None, [f"rollout.decode_merge_attention={str(on).lower()}"]), model, tok)
+        assert engine.decoder.merge_attention is on
+
+
 def test_the_gemv_blocks_loaded_before_the_wait_change_no_bit():
     """The projections at the 1.5B shape with the first PRE blocks of weights loaded before the wait (and 4 or 8
     warps: the registers PRE needs), under programmatic dependent launch and without: the bits of the same blocks and

@@ -202,12 +202,16 @@ class AttentionPlan:
     The defaults are the fastest of ``bench/attn_bench.py``'s grid on an H200 at 1,264 / 3,312 / 7,408 slots
     (2026-12-03, BENCHMARKS.md: 22.3 us a layer at 7,168 visible slots, was 25.1); ``pdl``: launched with
     programmatic dependent launch (``pdl_available``). The split and ``block_n`` decide the order in which the
-    online softmax sums a row's slots: another split or block gives other float32 roundings of the same sums."""
+    online softmax sums a row's slots: another split or block gives other float32 roundings of the same sums.
+    ``merge``: the last split of each (row, K/V head) to finish merges the partials in the partials kernel (one
+    kernel a layer instead of two; the same arithmetic in the same order, so the same bits; its (B, K) int32
+    counters, zero between launches, in ``count``). Off by default until it is measured faster on a GPU."""
 
     def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 256, num_warps: int = 4,
-                 num_stages: int = 3, pdl: bool = False, block_n: int = 32):
+                 num_stages: int = 3, pdl: bool = False, block_n: int = 32, merge: bool = False):
         self.B, self.H, self.K, self.D, self.L = B, H, K, D, L
         self.num_warps, self.num_stages, self.pdl, self.BLOCK_N = num_warps, num_stages, pdl, block_n
+        self.merge = merge
         # programs / (B K) splits, at most 64, and at least two blocks a split at the capacity (a smaller cache is
         # not worth more programs and merge inputs: the 1.5B shape's 1,264 slots still split 16 ways, 96 slots each)
         splits = max(1, min(64, _next_pow2(-(-programs // (B * K))), L // (2 * block_n)))
@@ -217,25 +221,28 @@ class AttentionPlan:
         self.acc = torch.empty((B, H, self.nsplit, D), dtype=torch.float32, device=device)
         self.m = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)
         self.l = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)
+        self.count = torch.zeros((B, K), dtype=torch.int32, device=device)  # merge: splits done per (b, K/V head)
 
 
 def rope_attention(qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, scale: float,
                    plan: AttentionPlan, H: int, K: int, end_offset: int = 0) -> torch.Tensor:
     """``rope_attention_ref`` with ``end = end_1 + end_offset`` read on the device (``end_1``: a 1-element int64
-    tensor): two kernels, the partials (``plan``) and their merge."""
+    tensor): two kernels, the partials (``plan``) and their merge (one where ``plan.merge``)."""
     k = _kernels()
     B, D = qkv_B_X.shape[0], cos_P_D.shape[1]
     G = H // K
     sb, sk, sl, _ = k_cache_B_K_L_D.stride()
+    out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
+    nsp = _next_pow2(plan.nsplit)
     k["rope_attn_partial"][(B, K, plan.nsplit)](
         qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc,
-        plan.m, plan.l, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G, GP=max(16, _next_pow2(G)), D=D,
-        CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, IEEE=qkv_B_X.dtype == torch.float32,
-        STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **_launch(plan.pdl))
-    out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
-    k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
-                               D=D, **_launch(plan.pdl))
+        plan.m, plan.l, plan.count, out_B_H_D, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G,
+        GP=max(16, _next_pow2(G)), D=D, CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, NSP=nsp,
+        MERGE=plan.merge, IEEE=qkv_B_X.dtype == torch.float32, STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **_launch(plan.pdl))
+    if not plan.merge:
+        k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=nsp, D=D,
+                                   **_launch(plan.pdl))
     return out_B_H_D
 
 

@@ -55,16 +55,23 @@ def _attn_block(q, k_ptr, v_ptr, base, n0, lo, hi, stride_cl, d, m_i, l_i, acc, 
 
 @triton.jit
 def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc_ptr,
-                             m_ptr, l_ptr, scale, stride_qkv, stride_cb, stride_ck, stride_cl,
+                             m_ptr, l_ptr, count_ptr, out_ptr, scale, stride_qkv, stride_cb, stride_ck, stride_cl,
                              H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                             CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-                             IEEE: tl.constexpr, STATIC_LOOP: tl.constexpr, PDL: tl.constexpr):
+                             CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
+                             MERGE: tl.constexpr, IEEE: tl.constexpr, STATIC_LOOP: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kh, s): the G query heads of K/V head kh of row b rotated at the row's position (from the raw
     q/k/v projection), the split holding the new token's slot (end - 1) writing its rotated k and its v into the
     caches, then flash-decoding partials over the visible slots of split s (a split with none writes m = -inf and
-    l = 0 only: ``attn_reduce_kernel`` gives it weight 0 without reading its partials). The splits share the
+    l = 0 only: the merge gives it weight 0 without reading its partials). The splits share the
     slots [0, end) of this step, whole blocks of BLOCK_N each (``chunk`` <= CHUNK, the split at the capacity), so
-    every split has work at every context, not only once the rollout has filled the cache."""
+    every split has work at every context, not only once the rollout has filled the cache.
+
+    MERGE: the merge in this kernel instead of ``attn_reduce_kernel`` after it (one kernel boundary fewer per
+    layer). Each program counts itself done on (b, kh)'s counter (``count_ptr``, int32, zero before the launch),
+    after its partials' stores (a block barrier, then an acquire-release atomic: the stores of every program
+    counted before are visible to the one that counts after them); the program that counts last merges the G
+    heads' partials with ``_merge_head``, the merge kernel's own arithmetic in the same order (so the same bits),
+    and sets the counter back to zero for the next launch."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -119,13 +126,27 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
     else:  # no visible slot: m = -inf and l = 0 only (the merge gives the split weight 0 and skips its partials)
         tl.store(m_ptr + part, tl.full([GP], float("-inf"), tl.float32), mask=gmask)
         tl.store(l_ptr + part, tl.zeros([GP], tl.float32), mask=gmask)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partials stored before the count that publishes them
+        done = tl.atomic_add(count_ptr + b * K + kh, 1, sem="acq_rel", scope="gpu")
+        if done == NSPLIT - 1:  # the last of (b, kh)'s splits: all partials are in
+            for j in tl.static_range(G):
+                _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, b * H + kh * G + j, NSPLIT, NSP, D)
+            tl.atomic_xchg(count_ptr + b * K + kh, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
 @triton.jit
 def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
                        D: tl.constexpr, PDL: tl.constexpr):
+    """Program bh = b * H + h: ``_merge_head``."""
     _pdl_enter(PDL)
-    bh = tl.program_id(0)  # b * H + h
+    _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, tl.program_id(0), NSPLIT, NSP, D)
+
+
+@triton.jit
+def _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, bh, NSPLIT: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr):
+    """Query head bh = b * H + h: its NSPLIT splits' partials (acc, m, l) merged into the attention output (D,),
+    rounded to out's dtype; the splits with no visible slot (m = -inf) get weight 0 and are not read."""
     s = tl.arange(0, NSP)
     d = tl.arange(0, D)
     valid = s < NSPLIT
@@ -137,6 +158,7 @@ def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP
     acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * lsum, 0)
     tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+
 
 @triton.jit
 def silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr):

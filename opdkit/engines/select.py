@@ -54,7 +54,7 @@ def make_engine(cfg, model, tokenizer):
         # one-step-off rollouts (own_copy) draw while the live model trains
         engine = HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=cfg.rollout.batch_size,
                           own_copy=cfg.rollout.overlap > 0, gemv=cfg.rollout.decode_gemv,
-                          pdl=cfg.rollout.decode_pdl)
+                          pdl=cfg.rollout.decode_pdl, merge_attention=cfg.rollout.decode_merge_attention)
     else:
         engine = vllm_engine.VLLMEngine(cfg, model, tokenizer)
     return wrap_engine(engine, model)

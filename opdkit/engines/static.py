@@ -31,7 +31,9 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   and later the kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
   launch overlaps the kernel before it, and every kernel waits for that one to finish before its first store
   and before it reads anything an earlier kernel wrote, so no result changes (``pdl=False`` launches them
-  one after the other).
+  one after the other). With ``merge_attention`` (``rollout.decode_merge_attention``) the attention's merge runs in
+  its partials kernel, done by the last split of each (row, K/V head) to finish: one kernel a layer fewer, the same
+  bits.
 
 Other architectures (e.g. Gemma's norms) decode through the modules' own forward with an HF
 ``StaticCache``, one CUDA graph per bucket of cache length (``_ModuleDecoder``).
@@ -204,7 +206,7 @@ class _Session:
         self.gemv = dec.kernels and dec.gemv and B <= dk.GEMV_MAX_ROWS
         self.pdl = dec.kernels and dec.pdl  # each kernel's launch overlaps the one before (no result changes)
         if dec.kernels:
-            self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev, pdl=self.pdl)
+            self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev, pdl=self.pdl, merge=dec.merge_attention)
             kernel_sampling = temperature > 0 and (top_p >= 1.0 or dt in (torch.bfloat16, torch.float16))
             self.gumbel_plan = (dk.GumbelPlan(B, dec.vocab, temperature, dev, pdl=self.pdl, top_p=top_p)
                                 if kernel_sampling else None)  # else (greedy; top-p < 1 in float32) the torch sampler
@@ -220,7 +222,7 @@ class StaticDecoder:
 
     def __init__(self, model, *, dtype: torch.dtype = torch.bfloat16, bucket: int = 512, use_graphs: bool | None = None,
                  fused: bool = True, n_vocab: int | None = None, kernels: bool | None = None, steps_per_graph: int = 16,
-                 prompt_slots: int = 256, gemv: bool = True, pdl: bool = True):
+                 prompt_slots: int = 256, gemv: bool = True, pdl: bool = True, merge_attention: bool = False):
         self.gen = inference_copy(model, dtype)
         self.dtype = dtype
         self.n_vocab = n_vocab  # sample ids < n_vocab only (None: every row of the head)
@@ -235,6 +237,7 @@ class StaticDecoder:
         self.gemv = gemv  # with the kernels, at <= dk.GEMV_MAX_ROWS rows: the projections as the kit's GEMV kernels
         # with the kernels: launched with programmatic dependent launch where the device and Triton allow it
         self.pdl = pdl and dk.pdl_available(self.device)
+        self.merge_attention = merge_attention  # with the kernels: the attention merge in its partials kernel
         self.steps_per_graph, self.prompt_slots = steps_per_graph, prompt_slots
         self.session: _Session | None = None
         self.modules = _ModuleDecoder(self) if self.layers is None else None
@@ -454,7 +457,7 @@ class StaticDecoder:
                         break
             t = min(t, T)
             self.stats.update(decode_steps=t, fused_layers=True, kernels=s.kernels, steps_per_graph=S,
-                              prompt_slots=s.Sp, pdl=s.pdl)
+                              prompt_slots=s.Sp, pdl=s.pdl, merge_attention=s.kernels and self.merge_attention)
             return s.out_ids_B_T[:, :t].clone(), s.out_logp_B_T[:, :t].clone()
 
 
