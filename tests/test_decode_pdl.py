@@ -126,8 +126,9 @@ def test_the_kernels_contract_multiply_adds_as_they_were_checked():
 def test_the_merge_in_the_partials_kernel_counts_its_split_after_a_barrier_with_an_acquire_release_atomic():
     """``AttentionPlan(merge=True)``: a program's partials are published by its count, so on the GPU the count must
     be an acquire-release atomic at the GPU's scope after a block barrier that follows every store of the partials
-    (the interpreter runs programs one after another and cannot show a race), and the merge's loads and its output
-    stores must come after the count. Without MERGE no atomic is there."""
+    (the interpreter runs programs one after another and cannot show a race), and the merge's loads (from L2: no line
+    an earlier launch left in this SM's L1) and its output stores must come after the count. Without MERGE no atomic
+    is there, and the merge kernel's loads are as they were (no cache modifier)."""
     merged, plain = _ptx("rope_attn_partial_kernel", True, MERGE=True), _ptx("rope_attn_partial_kernel", True)
     assert not any("atom." in line for line in plain)
     count = _first(merged, r"atom\.global\.gpu\.acq_rel\.add")
@@ -135,5 +136,7 @@ def test_the_merge_in_the_partials_kernel_counts_its_split_after_a_barrier_with_
     stores = [i for i, line in enumerate(merged[:count]) if re.search(STORE, line)]
     assert stores and any(re.search(r"bar\.sync", line) for line in merged[stores[-1]:count])  # stores, barrier, count
     after = merged[count + 1:]
-    assert any(re.search(LOAD, line) for line in after) and any(re.search(STORE, line) for line in after)
+    loads = [line for line in after if re.search(LOAD, line)]
+    assert loads and all("ld.global.cg" in line for line in loads) and any(re.search(STORE, line) for line in after)
+    assert not any(".cg" in line for line in _ptx("attn_reduce_kernel", True))
     assert any(re.search(r"atom\.global\.gpu\.\S*exch", line) for line in after)  # the counter set back to zero

@@ -86,7 +86,8 @@ def test_the_attention_merged_in_its_partials_kernel_changes_no_bit(tok):
     """``AttentionPlan(merge=True)`` (``rollout.decode_merge_attention``): the last split of each (row, K/V head) to
     finish merges the partials, publishing each split's partials by an atomic count. A count that published too early
     would merge partials not yet written: so, at the 1.5B shape (16 splits at S1's 7,408 slots), many launches back to
-    back and replayed from a CUDA graph, with and without PDL, each the bits of the two-kernel merge; then the
+    back and replayed from a CUDA graph, with and without PDL, alternating two inputs (so that partials left by the
+    launch before, or a stale cache line of them, would show), each the bits of the two-kernel merge; then the
     decoder's samples and log-probs with and without it, from graphs and eagerly."""
     from opdkit.engines import decode_kernels as dk
     from opdkit.engines.base import left_pad
@@ -95,7 +96,7 @@ def test_the_attention_merged_in_its_partials_kernel_changes_no_bit(tok):
     torch.manual_seed(4)
     B, H, K, D, L = 8, 12, 2, 128, 7408
     bf = dict(dtype=torch.bfloat16, device="cuda")
-    qkv = torch.randn(B, (H + 2 * K) * D, **bf)
+    qkvs = [torch.randn(B, (H + 2 * K) * D, **bf) for _ in range(2)]
     ang = torch.randn(L, D // 2, device="cuda")
     cos, sin = torch.cat([ang.cos()] * 2, -1).bfloat16(), torch.cat([ang.sin()] * 2, -1).bfloat16()
     pos = torch.randint(0, L, (B,), device="cuda")
@@ -108,19 +109,21 @@ def test_the_attention_merged_in_its_partials_kernel_changes_no_bit(tok):
         assert one.nsplit == two.nsplit >= 16
         for end in (9, 301, 2000, 4097, L):
             end_1 = torch.tensor([end], device="cuda")
-            want = dk.rope_attention(qkv, cos, sin, pos, kc.clone(), vc.clone(), start, end_1, D ** -0.5, two, H, K)
-            k1, v1 = kc.clone(), vc.clone()
-            for _ in range(50):
-                got = dk.rope_attention(qkv, cos, sin, pos, k1, v1, start, end_1, D ** -0.5, one, H, K)
-                assert torch.equal(got, want), (pdl, end)
+            caches = [(kc.clone(), vc.clone()) for _ in qkvs]  # each input writes its own new slot
+            want = [dk.rope_attention(q, cos, sin, pos, kc.clone(), vc.clone(), start, end_1, D ** -0.5, two, H, K)
+                    for q in qkvs]
+            assert not torch.equal(want[0], want[1])
+            for i in range(50):
+                got = dk.rope_attention(qkvs[i % 2], cos, sin, pos, *caches[i % 2], start, end_1, D ** -0.5, one, H, K)
+                assert torch.equal(got, want[i % 2]), (pdl, end, i)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outs = [dk.rope_attention(qkv, cos, sin, pos, k1, v1, start, end_1, D ** -0.5, one, H, K)
-                        for _ in range(28)]
+                outs = [dk.rope_attention(qkvs[i % 2], cos, sin, pos, *caches[i % 2], start, end_1, D ** -0.5, one, H,
+                                          K) for i in range(28)]
             for _ in range(20):
                 graph.replay()
                 torch.cuda.synchronize()
-                assert all(torch.equal(o, want) for o in outs), (pdl, end)
+                assert all(torch.equal(o, want[i % 2]) for i, o in enumerate(outs)), (pdl, end)
             assert not one.count.any()  # every launch left its counters at zero
     model = _small(len(tok), "qwen2", layers=4, dtype=torch.bfloat16)
     prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."] * 2]

@@ -131,7 +131,7 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
         done = tl.atomic_add(count_ptr + b * K + kh, 1, sem="acq_rel", scope="gpu")
         if done == NSPLIT - 1:  # the last of (b, kh)'s splits: all partials are in
             for j in tl.static_range(G):
-                _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, b * H + kh * G + j, NSPLIT, NSP, D)
+                _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, b * H + kh * G + j, NSPLIT, NSP, D, ".cg")
             tl.atomic_xchg(count_ptr + b * K + kh, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
@@ -140,22 +140,25 @@ def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP
                        D: tl.constexpr, PDL: tl.constexpr):
     """Program bh = b * H + h: ``_merge_head``."""
     _pdl_enter(PDL)
-    _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, tl.program_id(0), NSPLIT, NSP, D)
+    _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, tl.program_id(0), NSPLIT, NSP, D, "")
 
 
 @triton.jit
-def _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, bh, NSPLIT: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr):
+def _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, bh, NSPLIT: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr,
+                CACHE: tl.constexpr):
     """Query head bh = b * H + h: its NSPLIT splits' partials (acc, m, l) merged into the attention output (D,),
-    rounded to out's dtype; the splits with no visible slot (m = -inf) get weight 0 and are not read."""
+    rounded to out's dtype; the splits with no visible slot (m = -inf) get weight 0 and are not read. CACHE: the
+    partials' loads' cache modifier (".cg": from L2, never a line this SM's L1 kept from an earlier launch)."""
     s = tl.arange(0, NSP)
     d = tl.arange(0, D)
     valid = s < NSPLIT
-    m = tl.load(m_ptr + bh * NSPLIT + s, mask=valid, other=float("-inf"))
-    lsum = tl.load(l_ptr + bh * NSPLIT + s, mask=valid, other=0.0)
+    m = tl.load(m_ptr + bh * NSPLIT + s, mask=valid, other=float("-inf"), cache_modifier=CACHE)
+    lsum = tl.load(l_ptr + bh * NSPLIT + s, mask=valid, other=0.0, cache_modifier=CACHE)
     mx = tl.max(m, 0)
     used = valid & (m > float("-inf"))  # the partials of splits with visible slots (the others are not written)
     w = tl.where(used, tl.exp(m - mx), 0.0)
-    acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0)
+    acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0,
+                  cache_modifier=CACHE)
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * lsum, 0)
     tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
 
