@@ -236,6 +236,13 @@ keep_attention_policy = functools.partial(_save_outputs_of, ATTENTION_OPS)
 keep_matmuls_policy = functools.partial(_save_outputs_of, ATTENTION_OPS + MATMUL_OPS)
 
 
+def selective_context(policy):
+    """A checkpoint's ``context_fn`` for torch's selective activation checkpointing under ``policy``."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
 def enable_checkpointing(model, keep_attention: bool) -> None:
     """HF gradient checkpointing of ``model``'s layers (non-reentrant); with ``keep_attention`` each layer's
     attention output is saved by the forward and reused by the recompute (torch's selective activation
@@ -243,9 +250,7 @@ def enable_checkpointing(model, keep_attention: bool) -> None:
     the memory of its output (tokens x hidden in bf16, and the log-sum-exp, per layer)."""
     kwargs = {"use_reentrant": False}
     if keep_attention:
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_attention_policy)
+        kwargs["context_fn"] = selective_context(keep_attention_policy)
     hf_checkpointing(model, True, kwargs)
 
 
@@ -270,8 +275,6 @@ def checkpoint_all_but_last(layers, n_unchecked: int, n_keep_matmuls: int = 0) -
     ``enable_checkpointing`` set them. The same values and gradients either way (the recompute runs the
     same kernels on the same inputs): more memory for less compute. The last layers, because the
     backward reaches them first and frees what they kept before the others' recomputes need memory."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     L = len(layers)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i < L - n_unchecked
@@ -280,8 +283,7 @@ def checkpoint_all_but_last(layers, n_unchecked: int, n_keep_matmuls: int = 0) -
             continue
         base = getattr(func, "opdkit_base", func)  # as enable_checkpointing set it
         if L - n_unchecked - n_keep_matmuls <= i < L - n_unchecked:
-            func = functools.partial(base, context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                                                         keep_matmuls_policy))
+            func = functools.partial(base, context_fn=selective_context(keep_matmuls_policy))
             func.opdkit_base = base
         else:
             func = base
