@@ -95,3 +95,20 @@ def test_padding_rows_are_never_sampled(tiny_llama, tok, engine):
     with torch.no_grad():
         h = padded.model(input_ids=torch.tensor([prompts[0]])).last_hidden_state
         assert int(padded.lm_head(h)[0].argmax(-1).max()) >= len(tok)
+
+
+def test_every_decode_setting_of_the_params_reaches_the_static_decoder(tiny_llama, tok):
+    """``rollout.decode_*`` (gemv, pdl, merge_attention) go to the HF engine as the static decoder's
+    keyword options, each with the value the params give, and the decoder takes each of them (the decoder itself
+    is built only on CUDA)."""
+    import inspect
+
+    from opdkit.config import load_config
+    from opdkit.engines.select import make_engine
+
+    keys = ("gemv", "pdl", "merge_attention")
+    for value in (True, False):
+        cfg = load_config(None, ["rollout.engine=hf"] + [f"rollout.decode_{k}={str(value).lower()}" for k in keys])
+        engine = make_engine(cfg, tiny_llama, tok)
+        assert engine.decoder_options == {k: value for k in keys}
+        inspect.signature(StaticDecoder).bind(tiny_llama, **engine.decoder_options)

@@ -115,7 +115,7 @@ class HFEngine:
     """Rollouts of the live policy (see the module docstring)."""
 
     def __init__(self, model, tokenizer, *, static_cache: bool = True, batch_size: int = 0, own_copy: bool = False,
-                 gemv: bool = True, pdl: bool = True, merge_attention: bool = False):
+                 decoder: dict | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.static_cache = static_cache
         self.batch_size = batch_size  # rows per decode call; 0 = all at once
@@ -127,8 +127,8 @@ class HFEngine:
         self.uses_decoder = static_cache and device.type == "cuda"
         self.own_copy = own_copy and not self.uses_decoder
         self.reads_live_model = not (self.uses_decoder or self.own_copy)
-        self.decoder = (StaticDecoder(model, n_vocab=self.n_vocab, gemv=gemv, pdl=pdl, merge_attention=merge_attention)
-                        if self.uses_decoder else None)
+        self.decoder_options = dict(decoder or {})  # StaticDecoder's keyword options (``select.decoder_options``)
+        self.decoder = StaticDecoder(model, n_vocab=self.n_vocab, **self.decoder_options) if self.uses_decoder else None
         if self.own_copy:
             self.model = copy.deepcopy(model).eval().requires_grad_(False)
 

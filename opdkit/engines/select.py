@@ -47,14 +47,18 @@ def check_params(cfg, device: torch.device) -> None:
                           "second colocated vLLM engine: set rollout.engine=hf for this control")
 
 
+def decoder_options(rollout) -> dict:
+    """The static decoder's keyword options (``StaticDecoder``) from the ``rollout`` params."""
+    return dict(gemv=rollout.decode_gemv, pdl=rollout.decode_pdl, merge_attention=rollout.decode_merge_attention)
+
+
 def make_engine(cfg, model, tokenizer):
     """The engine for ``model`` (wrapped for a sharded model; see ``engines.sharded``)."""
     device = next(model.parameters()).device
     if engine_name(cfg, device) == "hf":
         # one-step-off rollouts (own_copy) draw while the live model trains
         engine = HFEngine(model, tokenizer, static_cache=cfg.rollout.static_cache, batch_size=cfg.rollout.batch_size,
-                          own_copy=cfg.rollout.overlap > 0, gemv=cfg.rollout.decode_gemv,
-                          pdl=cfg.rollout.decode_pdl, merge_attention=cfg.rollout.decode_merge_attention)
+                          own_copy=cfg.rollout.overlap > 0, decoder=decoder_options(cfg.rollout))
     else:
         engine = vllm_engine.VLLMEngine(cfg, model, tokenizer)
     return wrap_engine(engine, model)
