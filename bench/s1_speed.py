@@ -192,13 +192,18 @@ def _ablate(names: list[str]) -> None:
         dk.add_rms_norm = lambda h_B_H, r_B_H, weight_H, eps, pdl=False: (h_B_H, buf(h_B_H.shape, h_B_H))
 
 
+# the static decoder's variants (its keyword options): the projections through cuBLAS / the GEMV kernels / the same
+# without programmatic dependent launch / with the attention's merge in its partials kernel
+STATIC_IMPLS = {"cublas": dict(gemv=False), "new": {}, "nopdl": dict(pdl=False), "merge": dict(merge_attention=True)}
+
+
 def static(args) -> None:
     """The static-cache decoder (``opdkit.engines.static``) at batch 8: kernels per eager decode step,
     replayed decode steps/s, and where a replayed step's device time goes; the same for main's
     version of the module (``--static-main``, the 'before') when given."""
     asked = args.impls.split(",")
-    if set(asked) - {"cublas", "new", "nopdl", "merge"}:
-        raise SystemExit(f"--impls {args.impls}: expected names among cublas,new,nopdl,merge")
+    if set(asked) - set(STATIC_IMPLS):
+        raise SystemExit(f"--impls {args.impls}: expected names among {','.join(STATIC_IMPLS)}")
     from transformers import AutoModelForCausalLM
 
     from opdkit.engines import static as new
@@ -221,11 +226,7 @@ def static(args) -> None:
     seeds = opd.step_seeds(0, 0, len(rows))
     T = args.max_new_tokens or (8 if args.tiny else 2048)
     bw = copy_bandwidth(device)
-    # the projections through cuBLAS / the GEMV kernels (/ the same without programmatic dependent launch / with the
-    # attention's merge in its partials kernel)
-    impls = {"cublas": (new, dict(gemv=False)), "new": (new, {}), "nopdl": (new, dict(pdl=False)),
-             "merge": (new, dict(merge_attention=True))}
-    impls = {k: impls[k] for k in asked}
+    impls = {k: (new, STATIC_IMPLS[k]) for k in asked}
     if args.static_main and Path(args.static_main).is_file():
         impls = {"main": (_load_static(args.static_main), {}), **impls}
     for name, (mod, kw_dec) in impls.items():
@@ -250,6 +251,7 @@ def static(args) -> None:
                 wall = sync(device) - t0
             digest = hashlib.sha256(out_ids.cpu().numpy().tobytes() + out_logp.cpu().numpy().tobytes()).hexdigest()
             res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall, pdl=dec.stats.get("pdl"),
+                       merge_attention=dec.stats.get("merge_attention"),
                        samples_sha256=digest[:16],  # the same 16 hex digits: the same ids and log-probs, bit for bit
                        ids_sha256=hashlib.sha256(out_ids.cpu().numpy().tobytes()).hexdigest()[:16])  # the ids alone
             if args.save_logp:  # the recorded log-probs, to compare across kits (bench/device_calls.sh)
@@ -276,6 +278,26 @@ def static(args) -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def best_static(args) -> None:
+    """Print the name of the fastest of this call's static-decoder variants at ``--max-new-tokens`` (OUT/results.jsonl,
+    this kit's rows, the last row of each variant) whose samples are 'new''s bit for bit and whose rate beats 'new''s;
+    print nothing where none does (or 'new' did not run). ``bench/device_calls.sh x4`` runs S1 with it."""
+    last = {}
+    path = Path(args.out) / "results.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        row = json.loads(line)
+        if (row.get("what") == "static" and "kit" not in row and row.get("max_new_tokens") == args.max_new_tokens
+                and "error" not in row):
+            last[row["impl"]] = row
+    new = last.get("new")
+    if new is None:
+        return
+    kept = [r for name, r in last.items() if name in STATIC_IMPLS and r["samples_sha256"] == new["samples_sha256"]
+            and r["decode_steps_per_s"] > new["decode_steps_per_s"]]
+    if kept:
+        print(max(kept, key=lambda r: r["decode_steps_per_s"])["impl"])
 
 
 # ----------------------------------------------------------------------------- vLLM through opdkit's engine
@@ -901,12 +923,13 @@ def report(args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["static", "sample", "update", "matmul", "vllm", "vllm-raw", "trl", "report"])
+    ap.add_argument("what", choices=["static", "best-static", "sample", "update", "matmul", "vllm", "vllm-raw", "trl",
+                                     "report"])
     ap.add_argument("--root", default="/tmp/lane")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
-    ap.add_argument("--impls", default="cublas,new", help="static: which of cublas,new,nopdl,merge")
+    ap.add_argument("--impls", default="cublas,new", help="static: which of " + ",".join(STATIC_IMPLS))
     ap.add_argument("--temperature", type=float, default=1.0, help="static, sample: the sampling temperature")
     ap.add_argument("--top-p", type=float, default=1.0, help="static, sample: top-p (below 1: the nucleus search)")
     ap.add_argument("--prompts", type=int, default=2, help="static: prompts (rows: 4 samples of each)")
@@ -920,8 +943,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
     ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
     args = ap.parse_args(argv)
-    {"static": static, "sample": sample, "update": update, "matmul": matmul, "vllm": vllm, "vllm-raw": vllm_raw,
-     "trl": trl, "report": report}[args.what](args)
+    {"static": static, "best-static": best_static, "sample": sample, "update": update, "matmul": matmul, "vllm": vllm,
+     "vllm-raw": vllm_raw, "trl": trl, "report": report}[args.what](args)
     return 0
 
 
