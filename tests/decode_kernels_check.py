@@ -210,8 +210,8 @@ def decoder() -> None:
              False),
             ("qwen2 (biases), top-p sampling", Qwen2ForCausalLM(Qwen2Config(**kw)), 0.9, 1.0, 1, True, False),
             ("qwen2, cuBLAS projections", Qwen2ForCausalLM(Qwen2Config(**kw)), 1.0, 0.7, 1, False, False),
-            ("qwen2, the attention merged in its partials kernel", Qwen2ForCausalLM(Qwen2Config(**kw)), 1.0, 0.7, 2,
-             True, True)):
+            ("qwen2, the attention merged in its partials kernel, the next weights' prefetch asked for",
+             Qwen2ForCausalLM(Qwen2Config(**kw)), 1.0, 0.7, 2, True, True)):
         torch.manual_seed(1)
         model.eval()
         G, T = 1, 14
@@ -220,7 +220,7 @@ def decoder() -> None:
                                                              temperature=tau, top_p=top_p, max_new_tokens=T)
         ids, mask = left_pad([p for p in prompts for _ in range(G)], tok.pad_token_id)
         dec = StaticDecoder(model, dtype=torch.float32, kernels=True, steps_per_graph=4, prompt_slots=8, gemv=gemv,
-                            merge_attention=merge)
+                            merge_attention=merge, prefetch_next=merge)
         for call in range(calls):  # a second call reuses the session's buffers
             out, logp = dec.generate(ids, mask, seeds, temperature=tau, top_p=top_p, max_new_tokens=T,
                                      eos_ids=[tok.eos_token_id], check_every=8)
@@ -230,8 +230,10 @@ def decoder() -> None:
             err = float((logp[:, :W][m] - ro.sampling_logp_B_T[m]).abs().max()) if same else float("nan")
             check(f"decoder {name} call {call}: tokens as generate, log-probs", same and err < 1e-5,
                   f"max err {err:.2e}")
-        check(f"decoder {name}: launched one kernel after the other (no programmatic dependent launch off CUDA)",
-              dec.stats["pdl"] is False and not dk_pdl("cpu") and dec.stats["merge_attention"] is merge)
+        check(f"decoder {name}: launched one kernel after the other (no programmatic dependent launch off CUDA), no "
+              "L2 prefetch (inline PTX: not in the interpreter)",
+              dec.stats["pdl"] is False and not dk_pdl("cpu") and dec.stats["merge_attention"] is merge
+              and dec.stats["prefetch_next"] is False)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ F64 = "*fp64"
 
 # kernel: (its arguments' types, its constexprs at the 1.5B shape, batch 8)
 KERNELS = {
-    "gemv_kernel": (dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, out_ptr=BF, part_ptr=F32, B=I32, N=I32, KD=I32, stride_x=I32,
-                         stride_w=I32),
+    "gemv_kernel": (dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, out_ptr=BF, part_ptr=F32, pf_ptr=BF, B=I32, N=I32, KD=I32,
+                         stride_x=I32, stride_w=I32, pf_lines=I32),
                     dict(K_PER=1536, BP=16, BLOCK_N=32, BLOCK_K=64, SPLIT=1, HAS_BIAS=True, SILU=True, IEEE=False,
-                         PRE=1)),
+                         PRE=1, PF_CHUNKS=0, PF_LAST=True)),
     "gemv_reduce_add_norm_kernel": (dict(part_ptr=F32, b_ptr=BF, h_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32",
                                          stride_h=I32), dict(BP=16, BLOCK=2048, SPLIT=4, HAS_BIAS=False)),
     "gemv_reduce_kernel": (dict(part_ptr=F32, b_ptr=BF, out_ptr=BF, B=I32, N=I32),
@@ -140,3 +140,27 @@ def test_the_merge_in_the_partials_kernel_counts_its_split_after_a_barrier_with_
     assert loads and all("ld.global.cg" in line for line in loads) and any(re.search(STORE, line) for line in after)
     assert not any(".cg" in line for line in _ptx("attn_reduce_kernel", True))
     assert any(re.search(r"atom\.global\.gpu\.\S*exch", line) for line in after)  # the counter set back to zero
+
+
+@pytest.mark.parametrize("last", [True, False], ids=["evict_last", "plain"])
+def test_the_gemv_asks_for_a_later_kernels_weights_in_l2_and_nothing_else_changes(last):
+    """``gemv_kernel``'s PF_CHUNKS (``rollout.decode_prefetch_next``): with 3 chunks each of the 128 threads issues
+    one ``prefetch.global.L2`` a chunk (``::evict_last`` under PF_LAST) before the wait for the kernel before (the
+    weights asked for are no kernel's output); without PF_CHUNKS there is none. A prefetch writes no register that
+    is read and changes no value: the loads, stores, matrix products, barriers and the PDL instructions are the same
+    in number and order with and without it."""
+    shape = dict(K_PER=1536, BLOCK_N=16, BLOCK_K=256, SILU=False)
+    plain = _ptx("gemv_kernel", True, **shape)
+    fetched = _ptx("gemv_kernel", True, PF_CHUNKS=3, PF_LAST=last, **shape)
+    assert not any("prefetch" in line for line in plain)
+    op = r"prefetch\.global\.L2::evict_last" if last else r"prefetch\.global\.L2"
+    prefetches = [i for i, line in enumerate(fetched) if re.match(op + r" \[%rd\d+\];", line)]
+    assert len(prefetches) == 3 == sum("prefetch" in line for line in fetched)
+    assert max(prefetches) < _first(fetched, r"griddepcontrol\.wait") < len(fetched)
+
+    def memory_and_sync(lines):
+        pattern = LOAD + "|" + STORE + r"|griddepcontrol|mma|bar\.sync"
+        return [re.split(r"\s", re.sub(r"^@!?%p\d+\s+", "", line))[0] for line in lines if re.search(pattern, line)]
+
+    assert memory_and_sync(fetched) == memory_and_sync(plain)
+

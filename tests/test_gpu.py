@@ -142,6 +142,68 @@ def test_the_attention_merged_in_its_partials_kernel_changes_no_bit(tok):
         assert engine.decoder.merge_attention is on
 
 
+def _projection(x, w, b, silu: bool, norm: bool, nw, h, prefetch, pdl: bool) -> tuple:
+    """A decode step's projection as the decoder runs it: q/k/v (plain), gate/up (silu) or output / down (norm: h +=
+    the projection in place, then the norm by ``nw``), asking for ``prefetch`` in L2: its outputs."""
+    from opdkit.engines import decode_kernels as dk
+
+    if norm:
+        return dk.linear_add_rms_norm(x, w, b, h, nw, 1e-6, pdl=pdl, prefetch=prefetch)
+    return (dk.linear_silu if silu else dk.linear)(x, w, b, pdl=pdl, prefetch=prefetch),
+
+
+def test_the_gemv_asking_for_a_later_kernels_weights_in_l2_changes_no_bit(tok):
+    """``rollout.decode_prefetch_next``: the projections at the 1.5B shape asking for another weight in L2 (q/k/v for
+    the output projection's, down for the next q/k/v's, and gate/up and o for a weight larger than L2), with and
+    without PDL, evict-last and plain, eagerly and replayed from a CUDA graph: the bits they give without it; then the
+    decoder's samples and log-probs with and without it, from graphs and eagerly."""
+    from opdkit.engines import decode_kernels as dk
+    from opdkit.engines.base import left_pad
+    from opdkit.engines.static import StaticDecoder
+
+    assert dk.l2_prefetch_available("cuda")
+    torch.manual_seed(5)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    h, nw = torch.randn(8, 1536, **bf), torch.rand(1536, **bf) + 0.5
+    big = torch.randn(40_000_000, **bf)  # 80 MB: more than L2
+    pdls = (True, False) if dk.pdl_available("cuda") else (False,)
+    cases = [(2048, 1536, False, False, (1536, 1536)),  # q/k/v asking for o's weights
+             (1536, 8960, False, True, (2048, 1536)),  # down (split, add + norm) asking for the next q/k/v's
+             (8960, 1536, True, False, None),  # gate/up + silu, and o (add + norm), asking for 80 MB
+             (1536, 1536, False, True, None)]
+    for n_out, n_in, silu, norm, other in cases:
+        x = torch.randn(8, n_in, **bf)
+        w = torch.randn((2 if silu else 1) * n_out, n_in, **bf) / n_in ** 0.5
+        b = None if norm else torch.randn(w.shape[0], **bf)
+        pf = torch.randn(*other, **bf) if other else big
+        args = (x, w, b, silu, norm, nw)
+        for pdl in pdls:
+            want = _projection(*args, h.clone(), None, pdl)
+            for last in (True, False):
+                dk.PREFETCH_EVICT_LAST = last
+                try:
+                    got = _projection(*args, h.clone(), pf, pdl)
+                    assert all(torch.equal(g, e) for g, e in zip(got, want)), (n_out, n_in, pdl, last)
+                    hs = [h.clone() for _ in range(4)]
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        outs = [_projection(*args, hh, pf, pdl) for hh in hs]
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    assert all(torch.equal(g, e) for o in outs for g, e in zip(o, want)), (n_out, n_in, pdl, last)
+                finally:
+                    dk.PREFETCH_EVICT_LAST = True
+    model = _small(len(tok), "qwen2", layers=4, dtype=torch.bfloat16)
+    prompts = [tok(p).input_ids for p in ["Compute 47+5-29.", "Compute 3+4.", "Compute 88-80+17-5."] * 2]
+    ids, mask = left_pad(prompts, tok.pad_token_id, "cuda")
+    kw = dict(temperature=1.0, top_p=1.0, max_new_tokens=600, eos_ids=[-1])
+    for graphs in (True, False):
+        decs = [StaticDecoder(model, use_graphs=graphs, prefetch_next=p) for p in (False, True)]
+        runs = [dec.generate(ids, mask, list(range(6)), **kw) for dec in decs]
+        assert decs[1].stats["prefetch_next"] is True and decs[0].stats["prefetch_next"] is False
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), graphs
+
+
 def test_the_gemv_blocks_loaded_before_the_wait_change_no_bit():
     """The projections at the 1.5B shape with the first PRE blocks of weights loaded before the wait (and 4 or 8
     warps: the registers PRE needs), under programmatic dependent launch and without: the bits of the same blocks and

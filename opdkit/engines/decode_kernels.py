@@ -163,6 +163,13 @@ def _kernels() -> dict:
     return _K
 
 
+def l2_prefetch_available(device) -> bool:
+    """The GEMV kernel can ask for a later kernel's weights in L2 on ``device`` (``gemv_launch``'s ``prefetch``):
+    a CUDA device with Triton, not Triton's interpreter (the prefetch is inline PTX)."""
+    device = torch.device(device)
+    return device.type == "cuda" and available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def pdl_available(device) -> bool:
     """Programmatic dependent launch can be used on ``device``: a CUDA device of compute capability 9 or later
     (Hopper), a Triton that launches with ``launch_pdl`` and has ``gdc_wait``, not Triton's interpreter. With it
@@ -376,6 +383,7 @@ def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok
 # --- the projections at a small batch (GEMV) ------------------------------------------------------
 
 GEMV_MAX_ROWS = 16  # the GEMV kernel pads the rows to 16 (tl.dot's smallest M); more rows: cuBLAS
+PREFETCH_EVICT_LAST = True  # gemv_launch's prefetch: the lines marked last to be evicted (bench: False, plain)
 
 
 def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
@@ -397,7 +405,15 @@ def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, split, 4, 4, 1
 
 
-def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None, pdl: bool = False):
+def prefetch_chunks(lines: int, programs: int) -> int:
+    """``gemv_kernel``'s PF_CHUNKS: the 128-line chunks each of ``programs`` programs issues for its share of
+    ``lines`` (0: none)."""
+    per = -(-lines // programs)  # lines of one program's share
+    return -(-per // 128) if lines > 0 else 0
+
+
+def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None, pdl: bool = False,
+                prefetch=None):
     """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
     rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
     fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``, whose PRE
@@ -405,7 +421,9 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     values mean PRE 1 under ``pdl``, else 0. ``add_norm`` = (h (B, N), norm weight (N,), eps): ``add_rms_norm``
     of h and the projection follows (h updated in place; returns (h, normed)), its sum of the partials in the
     same kernel when the projection is split; ``pdl``: launched with programmatic dependent launch
-    (``pdl_available``)."""
+    (``pdl_available``). ``prefetch``: a contiguous tensor (a later kernel's weights, which no kernel of the decode
+    step writes) that the programs ask for in L2, each its share, where ``l2_prefetch_available`` (else ignored);
+    no value changes."""
     k = _kernels()
     B, KD = x_B_K.shape
     if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
@@ -423,9 +441,16 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     bias = b_X if b_X is not None else out_B_N  # unread without HAS_BIAS
     grid = (-(-N // block_n), split)
     ieee = x_B_K.dtype == torch.float32
-    k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
-                    K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
-                    SILU=silu, IEEE=ieee, PRE=pre, num_warps=warps, num_stages=stages, **_launch(pdl))
+    pf_lines = 0
+    if prefetch is not None and l2_prefetch_available(x_B_K.device):
+        if not prefetch.is_contiguous() or prefetch.device != x_B_K.device:
+            raise ValueError(f"gemv prefetch: a contiguous tensor on {x_B_K.device} expected")
+        pf_lines = -(-prefetch.numel() * prefetch.element_size() // 128)
+    k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, prefetch if pf_lines else w_X_K, B, N, KD, x_B_K.stride(0),
+                    w_X_K.stride(0), pf_lines, K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+                    HAS_BIAS=b_X is not None, SILU=silu, IEEE=ieee, PRE=pre,
+                    PF_CHUNKS=prefetch_chunks(pf_lines, grid[0] * split), PF_LAST=PREFETCH_EVICT_LAST,
+                    num_warps=warps, num_stages=stages, **_launch(pdl))
     if add_norm is not None and split > 1:  # the partials' sum, the residual add and the norm: one kernel
         h_B_N, weight_N, eps = add_norm
         if silu or h_B_N.stride(1) != 1:
@@ -440,21 +465,23 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     return out_B_N if add_norm is None else add_rms_norm(add_norm[0], out_B_N, add_norm[1], add_norm[2], pdl)
 
 
-def linear(x_B_K, w_N_K, b_N, config=None, pdl: bool = False) -> torch.Tensor:
+def linear(x_B_K, w_N_K, b_N, config=None, pdl: bool = False, prefetch=None) -> torch.Tensor:
     """``linear_ref`` as ``gemv_launch``'s kernel(s)."""
-    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, pdl=pdl)
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, pdl=pdl, prefetch=prefetch)
 
 
-def linear_silu(x_B_K, w_2I_K, b_2I, config=None, pdl: bool = False) -> torch.Tensor:
+def linear_silu(x_B_K, w_2I_K, b_2I, config=None, pdl: bool = False, prefetch=None) -> torch.Tensor:
     """``linear_silu_ref`` as ``gemv_launch``'s kernel(s): the gate/up projection and silu * up in one pass."""
-    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config, pdl=pdl)
+    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config, pdl=pdl, prefetch=prefetch)
 
 
-def linear_add_rms_norm(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float, config=None, pdl: bool = False):
+def linear_add_rms_norm(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float, config=None, pdl: bool = False,
+                        prefetch=None):
     """``add_rms_norm_ref(h, linear_ref(x, w, b), weight, eps)`` as ``gemv_launch``'s kernels: (h, normed), h
     updated in place. Split over its inputs: 2 kernels (the projection's partials; their sum, the add and the
     norm), else 2 (the projection; ``add_rms_norm``)."""
-    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, add_norm=(h_B_N, weight_N, eps), pdl=pdl)
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, add_norm=(h_B_N, weight_N, eps), pdl=pdl,
+                       prefetch=prefetch)
 
 
 def linear_add_rms_norm_ref(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float):

@@ -462,10 +462,36 @@ def _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, j: tl.constexpr, KD,
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stride_w,
+def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr):
+    """Ask for the 128-byte lines at ``ptrs`` to be brought into L2 (PTX ``prefetch.global.L2``, with EVICT_LAST
+    marked last to be evicted): no register receives them, nothing waits for them, no value changes. CUDA only (not
+    Triton's interpreter)."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_share(pf_ptr, pf_lines, pid, programs, CHUNKS: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Program ``pid`` of ``programs`` asks for its share of the ``pf_lines`` 128-byte lines from ``pf_ptr`` in L2
+    (``_prefetch_l2``): lines pid * per .. (pid + 1) * per - 1 (per = ceil(pf_lines / programs) <= CHUNKS * 128),
+    128 at a time; the addresses past its share repeat its last line (an L2 hit)."""
+    line: tl.constexpr = 1024 // pf_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    per = tl.cdiv(pf_lines, programs)
+    lo = pid * per
+    last = tl.minimum(lo + per, pf_lines) - 1
+    for c in tl.static_range(CHUNKS):
+        i = tl.minimum(lo + c * 128 + tl.arange(0, 128), last)
+        _prefetch_l2(pf_ptr + i.to(tl.int64) * line, EVICT_LAST)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, pf_ptr, B, N, KD, stride_x, stride_w, pf_lines,
                 K_PER: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
-                PRE: tl.constexpr, PDL: tl.constexpr):
+                PRE: tl.constexpr, PDL: tl.constexpr, PF_CHUNKS: tl.constexpr, PF_LAST: tl.constexpr):
     """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
     slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
     ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. The first PRE (0-8)
@@ -473,7 +499,9 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stri
     the decode step writes a weight), so they stream while the kernel before finishes; then the inputs x (the
     kernel before's output) and the loop over the other blocks. The blocks are summed in the same order whatever
     PRE is, so PRE changes no bit. Without PDL one loop takes every block (PRE 0): with the first apart, a decode
-    step of the 1.5B shape took ~4% longer there (H200, 2026-12-03, BENCHMARKS.md)."""
+    step of the 1.5B shape took ~4% longer there (H200, 2026-12-03, BENCHMARKS.md). PF_CHUNKS > 0: the programs
+    also ask for the ``pf_lines`` 128-byte lines at ``pf_ptr`` (a later kernel's weights) in L2, each its share
+    (``_prefetch_share``; PF_LAST: marked last to be evicted), so that kernel finds them there; no value changes."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.arange(0, BP)
@@ -500,6 +528,9 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stri
         w6, u6 = _gemv_weights_at(w_ptr, n, k_lo, 6, N, KD, nmask, stride_w, BLOCK_K, SILU)
     if PRE > 7:
         w7, u7 = _gemv_weights_at(w_ptr, n, k_lo, 7, N, KD, nmask, stride_w, BLOCK_K, SILU)
+    if PF_CHUNKS > 0:  # a later kernel's weights: no kernel of the decode step writes them
+        _prefetch_share(pf_ptr, pf_lines, pid + s * tl.num_programs(0), tl.num_programs(0) * tl.num_programs(1),
+                        PF_CHUNKS, PF_LAST)
     _pdl_enter(PDL)  # x: the kernel before's output
     if PRE > 0:
         acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 0, KD, w0, u0, BLOCK_K, SILU, IEEE)
