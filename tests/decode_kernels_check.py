@@ -107,7 +107,9 @@ def kernels() -> None:
         x = torch.randn(rows, n_in) * 2  # outputs of order 1: the check's tolerance is absolute
         w_N_K, w_2N_K = torch.randn(n_out, n_in) / n_in ** 0.5, torch.randn(2 * n_out, n_in) / n_in ** 0.5
         b_N, b_2N = (torch.randn(n_out), torch.randn(2 * n_out)) if bias else (None, None)
-        for config in (None, (16, 64, 4, 4, 3), (32, 64, 2, 4, 3)):  # 1, 4 and 2 splits (the rows of a block masked)
+        # 1, 4, 2 and 3 splits (the rows of a block masked; 3: a split count that is no power of 2, its last split
+        # partly past the inputs)
+        for config in (None, (16, 64, 4, 4, 3), (32, 64, 2, 4, 3), (16, 64, 3, 4, 3)):
             want, got = dk.linear_ref(x, w_N_K, b_N), dk.linear(x, w_N_K, b_N, config)
             err = float((want - got).abs().max())
             want, got = dk.linear_silu_ref(x, w_2N_K, b_2N), dk.linear_silu(x, w_2N_K, b_2N, config)
