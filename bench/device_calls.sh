@@ -336,9 +336,9 @@ print(f\"{r['block']},{r['warps']}\")")
     # projection's weights asked for in L2 (evict-last; plain), the merge and the prefetch: their GPU tests; the
     # static decoder at 1,024 with each in one process (the digests of all equal 'new''s expected); S1 at 7,168 with
     # the fastest of merge / next / both that kept the bits (none faster: no S1 run)
-    lim 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py \
+    lim 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py \
       -k "merged_in_its_partials or later_kernels_weights" > "$OUT/tests.txt" 2>&1
-    lim 220 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
+    lim 200 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
       --impls new,merge,next,next_plain,both >> "$OUT/parts.txt" 2>&1
     BEST=$(python3 bench/s1_speed.py best-static --out "$OUT" --max-new-tokens 1024 --among merge,next,both \
       2>> "$OUT/parts.txt")
