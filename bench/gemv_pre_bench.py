@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (no GEMV kernels there)")
     ap.add_argument("--write-kit", default="")
     ap.add_argument("--best", default="")
+    ap.add_argument("--only", default="", help="the projections to vary (comma-separated among qkv,o,gate_up,down)")
     args = ap.parse_args(argv)
     if args.write_kit:
         write_kit(Path(args.write_kit), json.loads(Path(args.best).read_text()))
@@ -131,8 +132,9 @@ def main(argv=None) -> int:
           "of_bound": round(base_rate / bound["bound_weights_steps_per_s"], 4), **bound,
           "configs": {k: rule(*v) for k, v in SHAPES.items()}})
     gains: dict[str, list] = {k: [] for k in SHAPES}
+    only = set(args.only.split(",")) if args.only else set(CANDIDATES)
     for name, configs in CANDIDATES.items():
-        for cfg in configs:
+        for cfg in configs if name in only else []:
             if time.perf_counter() - t_start > args.budget_s:
                 emit({"what": "stopped: budget", "at": [name, cfg]})
                 break
