@@ -7,7 +7,6 @@ CUDA graph.
 
     python bench/attn_bench.py --out /tmp/out --before .speed/head/opdkit/engines/decode_triton.py
     python bench/attn_bench.py --out /tmp/out --device cpu   # a dry run of the code paths (Triton's interpreter)
-    python bench/attn_bench.py --out /tmp/out --programs 128,64   # the split grid, and the merge in the partials kernel
 
 Writes one JSON row per (capacity, context, variant) to OUT/attn.jsonl: microseconds per call (partials + merge),
 GB/s of visible K/V read, the K/V-only bound at the copy bandwidth measured in the same process, and whether the
@@ -84,14 +83,11 @@ def main(argv=None) -> int:
         for bn in (64, 32) for st in (2, 3, 4) if (bn, st) != (64, 3)] + [
         (f"new block=32 stages=3 programs={p}", dict(block_n=32, num_stages=3, programs=p), None) for p in (256, 1024)]
     if args.programs:  # the split count's grid: fewer programs read more blocks each and leave fewer partials to merge
-        variants = [("new", dict(), None), ("new merged", dict(merge=True), None)] + [
+        variants = [("new", dict(), None)] + [
             (f"new block={bn} stages={st} programs={p}", dict(block_n=bn, num_stages=st, programs=p), None)
-            for p in (int(x) for x in args.programs.split(",")) for bn in (32, 64) for st in (3, 4)] + [
-            (f"new merged programs={p}", dict(merge=True, programs=p), None)  # the merge in the partials kernel
-            for p in (int(x) for x in args.programs.split(","))]
+            for p in (int(x) for x in args.programs.split(",")) for bn in (32, 64) for st in (3, 4)]
     if cpu:
-        variants = variants[:2] + [v for v in variants if v[0] in ("new block=32 stages=3 programs=1024",
-                                                                    "new merged programs=64")]
+        variants = variants[:2] + [v for v in variants if v[0] == "new block=32 stages=3 programs=1024"]
 
     def emit(row: dict) -> None:
         with open(out / "attn.jsonl", "a") as f:

@@ -81,14 +81,6 @@
 #                                AttentionPlan defaults to 128 / 64 programs (/tmp/kit_p128, /tmp/kit_p64) (~8 min)
 #   x2: carry .lane              (after x1; the copy is remade if the machine is fresh) S1 at 7,168, 4 steps: this kit,
 #                                this kit with runtime.checkpoint_keep_matmuls, /tmp/kit_p$X2_PROGRAMS (128) (~8 min)
-#   x3: carry .lane              S1 at 7,168 with both (/tmp/kit_p$X2_PROGRAMS and the switch); that copy's static decoder
-#                                at 1,024 (the samples' digest); the GPU tests (~9.5 min with the preparation)
-#   x4: carry .lane              the decode levers that change no bit: the attention's merge in its partials kernel
-#                                (rollout.decode_merge_attention), the next small projection's weights asked for in L2
-#                                (rollout.decode_prefetch_next; evict-last and plain), both: their GPU tests; the
-#                                static decoder at 1,024 with each in one process (steps/s, the samples' digests, the
-#                                same bits expected); S1 at 7,168, 4 steps, with the fastest that kept the bits, if any
-#                                (~8 min with the preparation)
 #   e0: carry .lane              e1's evaluation through the kit's decoder alone (~3 min with the pair's preparation)
 #   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
 #                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
@@ -321,34 +313,6 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168 4 140 -S rollout.max_new_tokens=7168
     s1_run s1_7168_keepmm 4 140 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
     s1_run "s1_7168_p$P" 4 140 --kit "/tmp/kit_p$P" -S rollout.max_new_tokens=7168
-    ;;
-  x3)  # (after x2) S1 at 7,168 with both levers; the static decoder's digest at 1,024 of /tmp/kit_p$X2_PROGRAMS (this
-    # kit's is known: 6c135eec39d00eb1); the GPU tests (~9.5 min with the preparation)
-    P=${X2_PROGRAMS:-128}
-    kit_programs "$P"
-    s1_run "s1_7168_p${P}_keepmm" 4 140 --kit "/tmp/kit_p$P" -S rollout.max_new_tokens=7168 \
-      -S runtime.checkpoint_keep_matmuls=true
-    lim 70 env SPEED_KIT="/tmp/kit_p$P" python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
-      --impls new >> "$OUT/parts.txt" 2>&1
-    decoder_tests 200
-    ;;
-  x4)  # the decode levers that change no bit: the attention's merge in its partials kernel, the next small
-    # projection's weights asked for in L2 (evict-last; plain), the merge and the prefetch: their GPU tests; the
-    # static decoder at 1,024 with each in one process (the digests of all equal 'new''s expected); S1 at 7,168 with
-    # the fastest of merge / next / both that kept the bits (none faster: no S1 run)
-    lim 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -rfE tests/test_gpu.py \
-      -k "merged_in_its_partials or later_kernels_weights" > "$OUT/tests.txt" 2>&1
-    lim 200 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 \
-      --impls new,merge,next,next_plain,both >> "$OUT/parts.txt" 2>&1
-    BEST=$(python3 bench/s1_speed.py best-static --out "$OUT" --max-new-tokens 1024 --among merge,next,both \
-      2>> "$OUT/parts.txt")
-    echo "x4: the fastest decoder that kept the bits: ${BEST:-new}" >> "$OUT/calls.txt"
-    case $BEST in
-      merge) s1_run s1_7168_merge 4 140 -S rollout.max_new_tokens=7168 -S rollout.decode_merge_attention=true ;;
-      next) s1_run s1_7168_next 4 140 -S rollout.max_new_tokens=7168 -S rollout.decode_prefetch_next=true ;;
-      both) s1_run s1_7168_both 4 140 -S rollout.max_new_tokens=7168 -S rollout.decode_merge_attention=true \
-              -S rollout.decode_prefetch_next=true ;;
-    esac
     ;;
   e0|e1)  # e0: the kit's decoder alone (no vLLM needed)
     for eng in hf $([ "$PHASE" = e1 ] && echo vllm); do

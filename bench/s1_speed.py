@@ -192,13 +192,9 @@ def _ablate(names: list[str]) -> None:
         dk.add_rms_norm = lambda h_B_H, r_B_H, weight_H, eps, pdl=False: (h_B_H, buf(h_B_H.shape, h_B_H))
 
 
-# the static decoder's variants (its keyword options; "evict_last": decode_kernels.PREFETCH_EVICT_LAST for the run):
-# the projections through cuBLAS / the GEMV kernels / the same without programmatic dependent launch / with the
-# attention's merge in its partials kernel / with the next small projection's weights asked for in L2 (evict-last;
-# plain) / with the merge and the prefetch
-STATIC_IMPLS = {"cublas": dict(gemv=False), "new": {}, "nopdl": dict(pdl=False), "merge": dict(merge_attention=True),
-                "next": dict(prefetch_next=True), "next_plain": dict(prefetch_next=True, evict_last=False),
-                "both": dict(merge_attention=True, prefetch_next=True)}
+# the static decoder's variants (its keyword options): the projections through cuBLAS / the GEMV kernels / the same
+# without programmatic dependent launch
+STATIC_IMPLS = {"cublas": dict(gemv=False), "new": {}, "nopdl": dict(pdl=False)}
 
 
 def static(args) -> None:
@@ -234,8 +230,6 @@ def static(args) -> None:
     for name, (mod, kw_dec) in impls.items():
         res = {"what": "static", "impl": name, "max_new_tokens": T, "batch": len(rows), "temperature": args.temperature,
                "top_p": args.top_p, "plan": args.plan, "ablate": args.ablate}
-        kw_dec = dict(kw_dec)
-        dk.PREFETCH_EVICT_LAST = kw_dec.pop("evict_last", True)  # this variant's (True: the default)
         try:
             dec = mod.StaticDecoder(model, n_vocab=len(tok), **kw_dec)
             kw = dict(temperature=args.temperature, top_p=args.top_p, eos_ids=[-1])  # no EOS: every row runs to the cap
@@ -255,7 +249,6 @@ def static(args) -> None:
                 wall = sync(device) - t0
             digest = hashlib.sha256(out_ids.cpu().numpy().tobytes() + out_logp.cpu().numpy().tobytes()).hexdigest()
             res.update(decode_steps_per_s=dec.stats["decode_steps"] / wall, seconds=wall, pdl=dec.stats.get("pdl"),
-                       merge_attention=dec.stats.get("merge_attention"), prefetch_next=dec.stats.get("prefetch_next"),
                        samples_sha256=digest[:16],  # the same 16 hex digits: the same ids and log-probs, bit for bit
                        ids_sha256=hashlib.sha256(out_ids.cpu().numpy().tobytes()).hexdigest()[:16])  # the ids alone
             if args.save_logp:  # the recorded log-probs, to compare across kits (bench/device_calls.sh)
@@ -279,32 +272,9 @@ def static(args) -> None:
             res["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc()
         append(out, res)
-        dk.PREFETCH_EVICT_LAST = True
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-
-
-def best_static(args) -> None:
-    """Print the name of the fastest of this call's static-decoder variants at ``--max-new-tokens`` (OUT/results.jsonl,
-    this kit's rows, the last row of each variant, among ``--among``) whose samples are 'new''s bit for bit and whose
-    rate beats 'new''s; print nothing where none does (or 'new' did not run). ``bench/device_calls.sh x4`` runs S1
-    with it."""
-    last = {}
-    path = Path(args.out) / "results.jsonl"
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        row = json.loads(line)
-        if (row.get("what") == "static" and "kit" not in row and row.get("max_new_tokens") == args.max_new_tokens
-                and "error" not in row):
-            last[row["impl"]] = row
-    new = last.get("new")
-    if new is None:
-        return
-    among = set(args.among.split(",")) if args.among else set(STATIC_IMPLS)
-    kept = [r for name, r in last.items() if name in among and r["samples_sha256"] == new["samples_sha256"]
-            and r["decode_steps_per_s"] > new["decode_steps_per_s"]]
-    if kept:
-        print(max(kept, key=lambda r: r["decode_steps_per_s"])["impl"])
 
 
 # ----------------------------------------------------------------------------- vLLM through opdkit's engine
@@ -930,14 +900,12 @@ def report(args) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["static", "best-static", "sample", "update", "matmul", "vllm", "vllm-raw", "trl",
-                                     "report"])
+    ap.add_argument("what", choices=["static", "sample", "update", "matmul", "vllm", "vllm-raw", "trl", "report"])
     ap.add_argument("--root", default="/tmp/lane")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the lane's tiny pair")
     ap.add_argument("--max-new-tokens", type=int, default=0)
     ap.add_argument("--impls", default="cublas,new", help="static: which of " + ",".join(STATIC_IMPLS))
-    ap.add_argument("--among", default="", help="best-static: the variants to choose from (default: all)")
     ap.add_argument("--temperature", type=float, default=1.0, help="static, sample: the sampling temperature")
     ap.add_argument("--top-p", type=float, default=1.0, help="static, sample: top-p (below 1: the nucleus search)")
     ap.add_argument("--prompts", type=int, default=2, help="static: prompts (rows: 4 samples of each)")
@@ -951,8 +919,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="trl: steps")
     ap.add_argument("--trl-vllm", action="store_true", help="trl: its colocated vLLM generation")
     args = ap.parse_args(argv)
-    {"static": static, "best-static": best_static, "sample": sample, "update": update, "matmul": matmul, "vllm": vllm,
-     "vllm-raw": vllm_raw, "trl": trl, "report": report}[args.what](args)
+    {"static": static, "sample": sample, "update": update, "matmul": matmul, "vllm": vllm, "vllm-raw": vllm_raw,
+     "trl": trl, "report": report}[args.what](args)
     return 0
 
 

@@ -197,14 +197,6 @@ class RolloutConfig:
     # CUDA, static decoder with Triton, Hopper or later: its kernels launched with programmatic dependent launch
     # (each launch overlaps the kernel before; no result changes; engines.decode_kernels.pdl_available); false: not
     decode_pdl: bool = True
-    # CUDA, static decoder with Triton: each layer's attention merge done by the last split of each (row, K/V head)
-    # in the partials kernel (one kernel a layer fewer; the same bits; engines.decode_kernels.AttentionPlan's
-    # merge); off until it is measured faster on a GPU
-    decode_merge_attention: bool = False
-    # CUDA, static decoder with the GEMV kernels: the q/k/v projection asks for the output projection's weights in L2,
-    # the down projection for the next layer's q/k/v weights (the same bits; engines.decode_kernels.gemv_launch's
-    # prefetch); off until it is measured faster on a GPU
-    decode_prefetch_next: bool = False
     batch_size: int = 0  # sequences per decode call (per rank); 0 = the whole step's at once
     gpu_memory_utilization: float = 0.35  # vllm only
     max_prompt_tokens: int = 2048  # vllm only: its max_model_len is this + max_new_tokens

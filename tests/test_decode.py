@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from opdkit.engines import decode_kernels as dk
 from opdkit.engines.base import left_pad
 from opdkit.engines.decode_kernels import gemv_config, rotate
 from opdkit.engines.hf import HFEngine
@@ -141,13 +140,3 @@ def test_the_gemv_rule_loads_first_no_more_blocks_than_a_split_has():
             assert 1 <= pre <= blocks, (n_out, n_in, pre)
     assert gemv_config(1536, 1536)[5] == 2 and gemv_config(2048, 1536)[5] == 1 and gemv_config(1536, 8960)[5] == 1
 
-
-def test_each_gemv_program_asks_for_its_share_of_a_later_kernels_weights():
-    """``prefetch_chunks``: the chunks of 128 lines that cover one program's share of the lines. At the 1.5B shape the
-    output projection's 4.7 MB (36,864 lines) over q/k/v's 128 programs is 288 lines a program, 3 chunks; the next
-    layer's q/k/v 6.3 MB (49,152 lines) over down's 96 programs 512 lines, 4 chunks. Off the GPU there is no prefetch
-    (``l2_prefetch_available``: the interpreter has no inline PTX)."""
-    lines = lambda n_out, n_in: n_out * n_in * 2 // 128  # noqa: E731 (bf16 weights)
-    assert dk.prefetch_chunks(lines(1536, 1536), 128) == 3 and dk.prefetch_chunks(lines(2048, 1536), 96) == 4
-    assert dk.prefetch_chunks(0, 96) == 0 and dk.prefetch_chunks(1, 96) == 1 and dk.prefetch_chunks(129, 1) == 2
-    assert not dk.l2_prefetch_available("cpu")

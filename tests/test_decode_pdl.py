@@ -18,20 +18,19 @@ F64 = "*fp64"
 
 # kernel: (its arguments' types, its constexprs at the 1.5B shape, batch 8)
 KERNELS = {
-    "gemv_kernel": (dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, out_ptr=BF, part_ptr=F32, pf_ptr=BF, B=I32, N=I32, KD=I32,
-                         stride_x=I32, stride_w=I32, pf_lines=I32),
+    "gemv_kernel": (dict(x_ptr=BF, w_ptr=BF, b_ptr=BF, out_ptr=BF, part_ptr=F32, B=I32, N=I32, KD=I32, stride_x=I32,
+                         stride_w=I32),
                     dict(K_PER=1536, BP=16, BLOCK_N=32, BLOCK_K=64, SPLIT=1, HAS_BIAS=True, SILU=True, IEEE=False,
-                         PRE=1, PF_CHUNKS=0, PF_LAST=True)),
+                         PRE=1)),
     "gemv_reduce_add_norm_kernel": (dict(part_ptr=F32, b_ptr=BF, h_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32",
                                          stride_h=I32), dict(BP=16, BLOCK=2048, SPLIT=4, HAS_BIAS=False)),
     "gemv_reduce_kernel": (dict(part_ptr=F32, b_ptr=BF, out_ptr=BF, B=I32, N=I32),
                            dict(BP=16, BLOCK_N=64, SPLIT=4, HAS_BIAS=True, SILU=False)),
     "rope_attn_partial_kernel": (dict(qkv_ptr=BF, cos_ptr=BF, sin_ptr=BF, pos_ptr=I64, k_ptr=BF, v_ptr=BF,
                                       start_ptr=I64, end_ptr=I64, end_offset=I32, acc_ptr=F32, m_ptr=F32, l_ptr=F32,
-                                      count_ptr="*i32", out_ptr=BF, scale="fp32", stride_qkv=I32, stride_cb=I32,
-                                      stride_ck=I32, stride_cl=I32),
-                                 dict(H=12, K=2, G=6, GP=16, D=128, CHUNK=256, BLOCK_N=64, NSPLIT=32, NSP=32,
-                                      MERGE=False, IEEE=False, STATIC_LOOP=False)),
+                                      scale="fp32", stride_qkv=I32, stride_cb=I32, stride_ck=I32, stride_cl=I32),
+                                 dict(H=12, K=2, G=6, GP=16, D=128, CHUNK=256, BLOCK_N=64, NSPLIT=32, IEEE=False,
+                                      STATIC_LOOP=False)),
     "attn_reduce_kernel": (dict(acc_ptr=F32, m_ptr=F32, l_ptr=F32, out_ptr=BF), dict(NSPLIT=32, NSP=32, D=128)),
     "add_rms_norm_kernel": (dict(h_ptr=BF, r_ptr=BF, w_ptr=BF, out_ptr=BF, N=I32, eps="fp32", stride_h=I32,
                                  stride_r=I32), dict(BLOCK=2048)),
@@ -132,46 +131,3 @@ def test_the_kernels_contract_multiply_adds_as_they_were_checked():
     unfused = _ptx("rope_attn_partial_kernel", False, _options={"enable_fp_fusion": False})
     assert any(re.match(r"fma\.rn\.f32", line) for line in fused)
     assert not any(re.match(r"fma\.rn\.f32", line) for line in unfused)
-
-
-def test_the_merge_in_the_partials_kernel_counts_its_split_after_a_barrier_with_an_acquire_release_atomic():
-    """``AttentionPlan(merge=True)``: a program's partials are published by its count, so on the GPU the count must
-    be an acquire-release atomic at the GPU's scope after a block barrier that follows every store of the partials
-    (the interpreter runs programs one after another and cannot show a race), and the merge's loads (from L2: no line
-    an earlier launch left in this SM's L1) and its output stores must come after the count. Without MERGE no atomic
-    is there, and the merge kernel's loads are as they were (no cache modifier)."""
-    merged, plain = _ptx("rope_attn_partial_kernel", True, MERGE=True), _ptx("rope_attn_partial_kernel", True)
-    assert not any("atom." in line for line in plain)
-    count = _first(merged, r"atom\.global\.gpu\.acq_rel\.add")
-    assert count < len(merged)
-    stores = [i for i, line in enumerate(merged[:count]) if re.search(STORE, line)]
-    assert stores and any(re.search(r"bar\.sync", line) for line in merged[stores[-1]:count])  # stores, barrier, count
-    after = merged[count + 1:]
-    loads = [line for line in after if re.search(LOAD, line)]
-    assert loads and all("ld.global.cg" in line for line in loads) and any(re.search(STORE, line) for line in after)
-    assert not any(".cg" in line for line in _ptx("attn_reduce_kernel", True))
-    assert any(re.search(r"atom\.global\.gpu\.\S*exch", line) for line in after)  # the counter set back to zero
-
-
-@pytest.mark.parametrize("last", [True, False], ids=["evict_last", "plain"])
-def test_the_gemv_asks_for_a_later_kernels_weights_in_l2_and_nothing_else_changes(last):
-    """``gemv_kernel``'s PF_CHUNKS (``rollout.decode_prefetch_next``): with 3 chunks each of the 128 threads issues
-    one ``prefetch.global.L2`` a chunk (``::evict_last`` under PF_LAST) before the wait for the kernel before (the
-    weights asked for are no kernel's output); without PF_CHUNKS there is none. A prefetch writes no register that
-    is read and changes no value: the loads, stores, matrix products, barriers and the PDL instructions are the same
-    in number and order with and without it."""
-    shape = dict(K_PER=1536, BLOCK_N=16, BLOCK_K=256, SILU=False)
-    plain = _ptx("gemv_kernel", True, **shape)
-    fetched = _ptx("gemv_kernel", True, PF_CHUNKS=3, PF_LAST=last, **shape)
-    assert not any("prefetch" in line for line in plain)
-    op = r"prefetch\.global\.L2::evict_last" if last else r"prefetch\.global\.L2"
-    prefetches = [i for i, line in enumerate(fetched) if re.match(op + r" \[%rd\d+\];", line)]
-    assert len(prefetches) == 3 == sum("prefetch" in line for line in fetched)
-    assert max(prefetches) < _first(fetched, r"griddepcontrol\.wait") < len(fetched)
-
-    def memory_and_sync(lines):
-        pattern = LOAD + "|" + STORE + r"|griddepcontrol|mma|bar\.sync"
-        return [re.split(r"\s", re.sub(r"^@!?%p\d+\s+", "", line))[0] for line in lines if re.search(pattern, line)]
-
-    assert memory_and_sync(fetched) == memory_and_sync(plain)
-

@@ -98,7 +98,7 @@ def test_padding_rows_are_never_sampled(tiny_llama, tok, engine):
 
 
 def test_every_decode_setting_of_the_params_reaches_the_static_decoder(tiny_llama, tok):
-    """``rollout.decode_*`` (gemv, pdl, merge_attention, prefetch_next) go to the HF engine as the static decoder's
+    """``rollout.decode_*`` (gemv, pdl) go to the HF engine as the static decoder's
     keyword options, each with the value the params give, and the decoder takes each of them (the decoder itself
     is built only on CUDA)."""
     import inspect
@@ -106,7 +106,7 @@ def test_every_decode_setting_of_the_params_reaches_the_static_decoder(tiny_llam
     from opdkit.config import load_config
     from opdkit.engines.select import make_engine
 
-    keys = ("gemv", "pdl", "merge_attention", "prefetch_next")
+    keys = ("gemv", "pdl")
     for value in (True, False):
         cfg = load_config(None, ["rollout.engine=hf"] + [f"rollout.decode_{k}={str(value).lower()}" for k in keys])
         engine = make_engine(cfg, tiny_llama, tok)

@@ -163,13 +163,6 @@ def _kernels() -> dict:
     return _K
 
 
-def l2_prefetch_available(device) -> bool:
-    """The GEMV kernel can ask for a later kernel's weights in L2 on ``device`` (``gemv_launch``'s ``prefetch``):
-    a CUDA device with Triton, not Triton's interpreter (the prefetch is inline PTX)."""
-    device = torch.device(device)
-    return device.type == "cuda" and available() and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def pdl_available(device) -> bool:
     """Programmatic dependent launch can be used on ``device``: a CUDA device of compute capability 9 or later
     (Hopper), a Triton that launches with ``launch_pdl`` and has ``gdc_wait``, not Triton's interpreter. With it
@@ -209,16 +202,12 @@ class AttentionPlan:
     The defaults are the fastest of ``bench/attn_bench.py``'s grid on an H200 at 1,264 / 3,312 / 7,408 slots
     (2026-12-03, BENCHMARKS.md: 22.3 us a layer at 7,168 visible slots, was 25.1); ``pdl``: launched with
     programmatic dependent launch (``pdl_available``). The split and ``block_n`` decide the order in which the
-    online softmax sums a row's slots: another split or block gives other float32 roundings of the same sums.
-    ``merge``: the last split of each (row, K/V head) to finish merges the partials in the partials kernel (one
-    kernel a layer instead of two; the same arithmetic in the same order, so the same bits; its (B, K) int32
-    counters, zero between launches, in ``count``). Off by default until it is measured faster on a GPU."""
+    online softmax sums a row's slots: another split or block gives other float32 roundings of the same sums."""
 
     def __init__(self, B: int, H: int, K: int, D: int, L: int, device, programs: int = 256, num_warps: int = 4,
-                 num_stages: int = 3, pdl: bool = False, block_n: int = 32, merge: bool = False):
+                 num_stages: int = 3, pdl: bool = False, block_n: int = 32):
         self.B, self.H, self.K, self.D, self.L = B, H, K, D, L
         self.num_warps, self.num_stages, self.pdl, self.BLOCK_N = num_warps, num_stages, pdl, block_n
-        self.merge = merge
         # programs / (B K) splits, at most 64, and at least two blocks a split at the capacity (a smaller cache is
         # not worth more programs and merge inputs: the 1.5B shape's 1,264 slots still split 16 ways, 96 slots each)
         splits = max(1, min(64, _next_pow2(-(-programs // (B * K))), L // (2 * block_n)))
@@ -228,28 +217,25 @@ class AttentionPlan:
         self.acc = torch.empty((B, H, self.nsplit, D), dtype=torch.float32, device=device)
         self.m = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)
         self.l = torch.empty((B, H, self.nsplit), dtype=torch.float32, device=device)
-        self.count = torch.zeros((B, K), dtype=torch.int32, device=device)  # merge: splits done per (b, K/V head)
 
 
 def rope_attention(qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, scale: float,
                    plan: AttentionPlan, H: int, K: int, end_offset: int = 0) -> torch.Tensor:
     """``rope_attention_ref`` with ``end = end_1 + end_offset`` read on the device (``end_1``: a 1-element int64
-    tensor): two kernels, the partials (``plan``) and their merge (one where ``plan.merge``)."""
+    tensor): two kernels, the partials (``plan``) and their merge."""
     k = _kernels()
     B, D = qkv_B_X.shape[0], cos_P_D.shape[1]
     G = H // K
     sb, sk, sl, _ = k_cache_B_K_L_D.stride()
-    out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
-    nsp = _next_pow2(plan.nsplit)
     k["rope_attn_partial"][(B, K, plan.nsplit)](
         qkv_B_X, cos_P_D, sin_P_D, pos_B, k_cache_B_K_L_D, v_cache_B_K_L_D, start_B, end_1, end_offset, plan.acc,
-        plan.m, plan.l, plan.count, out_B_H_D, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G,
-        GP=max(16, _next_pow2(G)), D=D, CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, NSP=nsp,
-        MERGE=plan.merge, IEEE=qkv_B_X.dtype == torch.float32, STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **_launch(plan.pdl))
-    if not plan.merge:
-        k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=nsp, D=D,
-                                   **_launch(plan.pdl))
+        plan.m, plan.l, scale, qkv_B_X.stride(0), sb, sk, sl, H=H, K=K, G=G, GP=max(16, _next_pow2(G)), D=D,
+        CHUNK=plan.chunk, BLOCK_N=plan.BLOCK_N, NSPLIT=plan.nsplit, IEEE=qkv_B_X.dtype == torch.float32,
+        STATIC_LOOP=os.environ.get("TRITON_INTERPRET") == "1", num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **_launch(plan.pdl))
+    out_B_H_D = torch.empty((B, H, D), dtype=qkv_B_X.dtype, device=qkv_B_X.device)
+    k["attn_reduce"][(B * H,)](plan.acc, plan.m, plan.l, out_B_H_D, NSPLIT=plan.nsplit, NSP=_next_pow2(plan.nsplit),
+                               D=D, **_launch(plan.pdl))
     return out_B_H_D
 
 
@@ -383,7 +369,6 @@ def sample_token(raw_B_V, seeds_B, t_1, plan: GumbelPlan, ids_B_T, logp_B_T, tok
 # --- the projections at a small batch (GEMV) ------------------------------------------------------
 
 GEMV_MAX_ROWS = 16  # the GEMV kernel pads the rows to 16 (tl.dot's smallest M); more rows: cuBLAS
-PREFETCH_EVICT_LAST = True  # gemv_launch's prefetch: the lines marked last to be evicted (bench: False, plain)
 
 
 def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int, int]:
@@ -405,15 +390,7 @@ def gemv_config(N: int, K: int, sms: int = 132) -> tuple[int, int, int, int, int
     return block_n, block_k, split, 4, 4, 1
 
 
-def prefetch_chunks(lines: int, programs: int) -> int:
-    """``gemv_kernel``'s PF_CHUNKS: the 128-line chunks each of ``programs`` programs issues for its share of
-    ``lines`` (0: none)."""
-    per = -(-lines // programs)  # lines of one program's share
-    return -(-per // 128) if lines > 0 else 0
-
-
-def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None, pdl: bool = False,
-                prefetch=None):
+def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=None, pdl: bool = False):
     """``linear_ref`` (silu False: w (N, K)) or ``linear_silu_ref`` (silu True: w (2N, K), gate rows then up
     rows) for B <= GEMV_MAX_ROWS rows as one kernel (SPLIT 1) or two (the float32 partials summed in a
     fixed order); ``config`` as ``gemv_config`` returns it (the default: ``gemv_config(N, K)``, whose PRE
@@ -421,9 +398,7 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     values mean PRE 1 under ``pdl``, else 0. ``add_norm`` = (h (B, N), norm weight (N,), eps): ``add_rms_norm``
     of h and the projection follows (h updated in place; returns (h, normed)), its sum of the partials in the
     same kernel when the projection is split; ``pdl``: launched with programmatic dependent launch
-    (``pdl_available``). ``prefetch``: a contiguous tensor (a later kernel's weights, which no kernel of the decode
-    step writes) that the programs ask for in L2, each its share, where ``l2_prefetch_available`` (else ignored);
-    no value changes."""
+    (``pdl_available``)."""
     k = _kernels()
     B, KD = x_B_K.shape
     if B > GEMV_MAX_ROWS or x_B_K.stride(1) != 1 or w_X_K.stride(1) != 1:
@@ -441,16 +416,9 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     bias = b_X if b_X is not None else out_B_N  # unread without HAS_BIAS
     grid = (-(-N // block_n), split)
     ieee = x_B_K.dtype == torch.float32
-    pf_lines = 0
-    if prefetch is not None and l2_prefetch_available(x_B_K.device):
-        if not prefetch.is_contiguous() or prefetch.device != x_B_K.device:
-            raise ValueError(f"gemv prefetch: a contiguous tensor on {x_B_K.device} expected")
-        pf_lines = -(-prefetch.numel() * prefetch.element_size() // 128)
-    k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, prefetch if pf_lines else w_X_K, B, N, KD, x_B_K.stride(0),
-                    w_X_K.stride(0), pf_lines, K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-                    HAS_BIAS=b_X is not None, SILU=silu, IEEE=ieee, PRE=pre,
-                    PF_CHUNKS=prefetch_chunks(pf_lines, grid[0] * split), PF_LAST=PREFETCH_EVICT_LAST,
-                    num_warps=warps, num_stages=stages, **_launch(pdl))
+    k["gemv"][grid](x_B_K, w_X_K, bias, out_B_N, part, B, N, KD, x_B_K.stride(0), w_X_K.stride(0),
+                    K_PER=per_split, BP=BP, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=b_X is not None,
+                    SILU=silu, IEEE=ieee, PRE=pre, num_warps=warps, num_stages=stages, **_launch(pdl))
     if add_norm is not None and split > 1:  # the partials' sum, the residual add and the norm: one kernel
         h_B_N, weight_N, eps = add_norm
         if silu or h_B_N.stride(1) != 1:
@@ -465,23 +433,21 @@ def gemv_launch(x_B_K, w_X_K, b_X, N: int, silu: bool, config=None, add_norm=Non
     return out_B_N if add_norm is None else add_rms_norm(add_norm[0], out_B_N, add_norm[1], add_norm[2], pdl)
 
 
-def linear(x_B_K, w_N_K, b_N, config=None, pdl: bool = False, prefetch=None) -> torch.Tensor:
+def linear(x_B_K, w_N_K, b_N, config=None, pdl: bool = False) -> torch.Tensor:
     """``linear_ref`` as ``gemv_launch``'s kernel(s)."""
-    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, pdl=pdl, prefetch=prefetch)
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, pdl=pdl)
 
 
-def linear_silu(x_B_K, w_2I_K, b_2I, config=None, pdl: bool = False, prefetch=None) -> torch.Tensor:
+def linear_silu(x_B_K, w_2I_K, b_2I, config=None, pdl: bool = False) -> torch.Tensor:
     """``linear_silu_ref`` as ``gemv_launch``'s kernel(s): the gate/up projection and silu * up in one pass."""
-    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config, pdl=pdl, prefetch=prefetch)
+    return gemv_launch(x_B_K, w_2I_K, b_2I, w_2I_K.shape[0] // 2, True, config, pdl=pdl)
 
 
-def linear_add_rms_norm(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float, config=None, pdl: bool = False,
-                        prefetch=None):
+def linear_add_rms_norm(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float, config=None, pdl: bool = False):
     """``add_rms_norm_ref(h, linear_ref(x, w, b), weight, eps)`` as ``gemv_launch``'s kernels: (h, normed), h
     updated in place. Split over its inputs: 2 kernels (the projection's partials; their sum, the add and the
     norm), else 2 (the projection; ``add_rms_norm``)."""
-    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, add_norm=(h_B_N, weight_N, eps), pdl=pdl,
-                       prefetch=prefetch)
+    return gemv_launch(x_B_K, w_N_K, b_N, w_N_K.shape[0], False, config, add_norm=(h_B_N, weight_N, eps), pdl=pdl)
 
 
 def linear_add_rms_norm_ref(x_B_K, w_N_K, b_N, h_B_N, weight_N, eps: float):

@@ -55,23 +55,16 @@ def _attn_block(q, k_ptr, v_ptr, base, n0, lo, hi, stride_cl, d, m_i, l_i, acc, 
 
 @triton.jit
 def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, start_ptr, end_ptr, end_offset, acc_ptr,
-                             m_ptr, l_ptr, count_ptr, out_ptr, scale, stride_qkv, stride_cb, stride_ck, stride_cl,
+                             m_ptr, l_ptr, scale, stride_qkv, stride_cb, stride_ck, stride_cl,
                              H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                             CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
-                             MERGE: tl.constexpr, IEEE: tl.constexpr, STATIC_LOOP: tl.constexpr, PDL: tl.constexpr):
+                             CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+                             IEEE: tl.constexpr, STATIC_LOOP: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kh, s): the G query heads of K/V head kh of row b rotated at the row's position (from the raw
     q/k/v projection), the split holding the new token's slot (end - 1) writing its rotated k and its v into the
     caches, then flash-decoding partials over the visible slots of split s (a split with none writes m = -inf and
-    l = 0 only: the merge gives it weight 0 without reading its partials). The splits share the
+    l = 0 only: ``attn_reduce_kernel`` gives it weight 0 without reading its partials). The splits share the
     slots [0, end) of this step, whole blocks of BLOCK_N each (``chunk`` <= CHUNK, the split at the capacity), so
-    every split has work at every context, not only once the rollout has filled the cache.
-
-    MERGE: the merge in this kernel instead of ``attn_reduce_kernel`` after it (one kernel boundary fewer per
-    layer). Each program counts itself done on (b, kh)'s counter (``count_ptr``, int32, zero before the launch),
-    after its partials' stores (a block barrier, then an acquire-release atomic: the stores of every program
-    counted before are visible to the one that counts after them); the program that counts last merges the G
-    heads' partials with ``_merge_head``, the merge kernel's own arithmetic in the same order (so the same bits),
-    and sets the counter back to zero for the next launch."""
+    every split has work at every context, not only once the rollout has filled the cache."""
     _pdl_enter(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -126,42 +119,24 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
     else:  # no visible slot: m = -inf and l = 0 only (the merge gives the split weight 0 and skips its partials)
         tl.store(m_ptr + part, tl.full([GP], float("-inf"), tl.float32), mask=gmask)
         tl.store(l_ptr + part, tl.zeros([GP], tl.float32), mask=gmask)
-    if MERGE:
-        tl.debug_barrier()  # every thread's partials stored before the count that publishes them
-        done = tl.atomic_add(count_ptr + b * K + kh, 1, sem="acq_rel", scope="gpu")
-        if done == NSPLIT - 1:  # the last of (b, kh)'s splits: all partials are in
-            for j in tl.static_range(G):
-                _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, b * H + kh * G + j, NSPLIT, NSP, D, ".cg")
-            tl.atomic_xchg(count_ptr + b * K + kh, 0, sem="relaxed", scope="gpu")  # for the next launch
 
 
 @triton.jit
 def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
                        D: tl.constexpr, PDL: tl.constexpr):
-    """Program bh = b * H + h: ``_merge_head``."""
     _pdl_enter(PDL)
-    _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, tl.program_id(0), NSPLIT, NSP, D, "")
-
-
-@triton.jit
-def _merge_head(acc_ptr, m_ptr, l_ptr, out_ptr, bh, NSPLIT: tl.constexpr, NSP: tl.constexpr, D: tl.constexpr,
-                CACHE: tl.constexpr):
-    """Query head bh = b * H + h: its NSPLIT splits' partials (acc, m, l) merged into the attention output (D,),
-    rounded to out's dtype; the splits with no visible slot (m = -inf) get weight 0 and are not read. CACHE: the
-    partials' loads' cache modifier (".cg": from L2, never a line this SM's L1 kept from an earlier launch)."""
+    bh = tl.program_id(0)  # b * H + h
     s = tl.arange(0, NSP)
     d = tl.arange(0, D)
     valid = s < NSPLIT
-    m = tl.load(m_ptr + bh * NSPLIT + s, mask=valid, other=float("-inf"), cache_modifier=CACHE)
-    lsum = tl.load(l_ptr + bh * NSPLIT + s, mask=valid, other=0.0, cache_modifier=CACHE)
+    m = tl.load(m_ptr + bh * NSPLIT + s, mask=valid, other=float("-inf"))
+    lsum = tl.load(l_ptr + bh * NSPLIT + s, mask=valid, other=0.0)
     mx = tl.max(m, 0)
     used = valid & (m > float("-inf"))  # the partials of splits with visible slots (the others are not written)
     w = tl.where(used, tl.exp(m - mx), 0.0)
-    acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0,
-                  cache_modifier=CACHE)
+    acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * lsum, 0)
     tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
-
 
 @triton.jit
 def silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -462,36 +437,10 @@ def _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, j: tl.constexpr, KD,
 
 
 @triton.jit
-def _prefetch_l2(ptrs, EVICT_LAST: tl.constexpr):
-    """Ask for the 128-byte lines at ``ptrs`` to be brought into L2 (PTX ``prefetch.global.L2``, with EVICT_LAST
-    marked last to be evicted): no register receives them, nothing waits for them, no value changes. CUDA only (not
-    Triton's interpreter)."""
-    if EVICT_LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_share(pf_ptr, pf_lines, pid, programs, CHUNKS: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Program ``pid`` of ``programs`` asks for its share of the ``pf_lines`` 128-byte lines from ``pf_ptr`` in L2
-    (``_prefetch_l2``): lines pid * per .. (pid + 1) * per - 1 (per = ceil(pf_lines / programs) <= CHUNKS * 128),
-    128 at a time; the addresses past its share repeat its last line (an L2 hit)."""
-    line: tl.constexpr = 1024 // pf_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
-    per = tl.cdiv(pf_lines, programs)
-    lo = pid * per
-    last = tl.minimum(lo + per, pf_lines) - 1
-    for c in tl.static_range(CHUNKS):
-        i = tl.minimum(lo + c * 128 + tl.arange(0, 128), last)
-        _prefetch_l2(pf_ptr + i.to(tl.int64) * line, EVICT_LAST)
-
-
-@triton.jit
-def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, pf_ptr, B, N, KD, stride_x, stride_w, pf_lines,
+def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, B, N, KD, stride_x, stride_w,
                 K_PER: tl.constexpr, BP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr,
-                PRE: tl.constexpr, PDL: tl.constexpr, PF_CHUNKS: tl.constexpr, PF_LAST: tl.constexpr):
+                PRE: tl.constexpr, PDL: tl.constexpr):
     """out (B, N) = x (B, KD) @ w[:N]^T (+ bias) for B <= BP rows, each program BLOCK_N outputs over one of SPLIT
     slices of KD (SPLIT > 1: float32 partials (SPLIT, BP, NW) to ``part_ptr``, summed in order by
     ``gemv_reduce_kernel``). SILU: w holds 2N rows (gate, then up); out = silu(gate) * up. The first PRE (0-8)
@@ -499,9 +448,7 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, pf_ptr, B, N, KD, stride
     the decode step writes a weight), so they stream while the kernel before finishes; then the inputs x (the
     kernel before's output) and the loop over the other blocks. The blocks are summed in the same order whatever
     PRE is, so PRE changes no bit. Without PDL one loop takes every block (PRE 0): with the first apart, a decode
-    step of the 1.5B shape took ~4% longer there (H200, 2026-12-03, BENCHMARKS.md). PF_CHUNKS > 0: the programs
-    also ask for the ``pf_lines`` 128-byte lines at ``pf_ptr`` (a later kernel's weights) in L2, each its share
-    (``_prefetch_share``; PF_LAST: marked last to be evicted), so that kernel finds them there; no value changes."""
+    step of the 1.5B shape took ~4% longer there (H200, 2026-12-03, BENCHMARKS.md)."""
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.arange(0, BP)
@@ -528,9 +475,6 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, pf_ptr, B, N, KD, stride
         w6, u6 = _gemv_weights_at(w_ptr, n, k_lo, 6, N, KD, nmask, stride_w, BLOCK_K, SILU)
     if PRE > 7:
         w7, u7 = _gemv_weights_at(w_ptr, n, k_lo, 7, N, KD, nmask, stride_w, BLOCK_K, SILU)
-    if PF_CHUNKS > 0:  # a later kernel's weights: no kernel of the decode step writes them
-        _prefetch_share(pf_ptr, pf_lines, pid + s * tl.num_programs(0), tl.num_programs(0) * tl.num_programs(1),
-                        PF_CHUNKS, PF_LAST)
     _pdl_enter(PDL)  # x: the kernel before's output
     if PRE > 0:
         acc, acc_u = _gemv_x_at(acc, acc_u, x_ptr, r, rmask, stride_x, k_lo, 0, KD, w0, u0, BLOCK_K, SILU, IEEE)

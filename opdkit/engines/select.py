@@ -49,8 +49,7 @@ def check_params(cfg, device: torch.device) -> None:
 
 def decoder_options(rollout) -> dict:
     """The static decoder's keyword options (``StaticDecoder``) from the ``rollout`` params."""
-    return dict(gemv=rollout.decode_gemv, pdl=rollout.decode_pdl, merge_attention=rollout.decode_merge_attention,
-                prefetch_next=rollout.decode_prefetch_next)
+    return dict(gemv=rollout.decode_gemv, pdl=rollout.decode_pdl)
 
 
 def make_engine(cfg, model, tokenizer):

@@ -31,12 +31,7 @@ path repeats each grouped K/V head over the whole cache length at every step. He
   and later the kernels are launched with programmatic dependent launch (``decode_kernels.pdl_available``): each one's
   launch overlaps the kernel before it, and every kernel waits for that one to finish before its first store
   and before it reads anything an earlier kernel wrote, so no result changes (``pdl=False`` launches them
-  one after the other). With ``merge_attention`` (``rollout.decode_merge_attention``) the attention's merge runs in
-  its partials kernel, done by the last split of each (row, K/V head) to finish: one kernel a layer fewer, the same
-  bits. With ``prefetch_next`` (``rollout.decode_prefetch_next``) the q/k/v projection's programs ask for the output
-  projection's weights in L2, and the down projection's for the next layer's q/k/v weights, so those two small,
-  latency-bound projections read their weights from L2 (the kernel between each pair is short: attention, or the
-  sum and norm); the same bits.
+  one after the other).
 
 Other architectures (e.g. Gemma's norms) decode through the modules' own forward with an HF
 ``StaticCache``, one CUDA graph per bucket of cache length (``_ModuleDecoder``).
@@ -208,10 +203,8 @@ class _Session:
         self.kernels = dec.kernels
         self.gemv = dec.kernels and dec.gemv and B <= dk.GEMV_MAX_ROWS
         self.pdl = dec.kernels and dec.pdl  # each kernel's launch overlaps the one before (no result changes)
-        # the GEMVs ask for the next small projection's weights in L2 (no result changes)
-        self.prefetch_next = self.gemv and dec.prefetch_next and dk.l2_prefetch_available(dev)
         if dec.kernels:
-            self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev, pdl=self.pdl, merge=dec.merge_attention)
+            self.attn_plan = dk.AttentionPlan(B, H, K, D, self.L, dev, pdl=self.pdl)
             kernel_sampling = temperature > 0 and (top_p >= 1.0 or dt in (torch.bfloat16, torch.float16))
             self.gumbel_plan = (dk.GumbelPlan(B, dec.vocab, temperature, dev, pdl=self.pdl, top_p=top_p)
                                 if kernel_sampling else None)  # else (greedy; top-p < 1 in float32) the torch sampler
@@ -227,8 +220,7 @@ class StaticDecoder:
 
     def __init__(self, model, *, dtype: torch.dtype = torch.bfloat16, bucket: int = 512, use_graphs: bool | None = None,
                  fused: bool = True, n_vocab: int | None = None, kernels: bool | None = None, steps_per_graph: int = 16,
-                 prompt_slots: int = 256, gemv: bool = True, pdl: bool = True, merge_attention: bool = False,
-                 prefetch_next: bool = False):
+                 prompt_slots: int = 256, gemv: bool = True, pdl: bool = True):
         self.gen = inference_copy(model, dtype)
         self.dtype = dtype
         self.n_vocab = n_vocab  # sample ids < n_vocab only (None: every row of the head)
@@ -243,8 +235,6 @@ class StaticDecoder:
         self.gemv = gemv  # with the kernels, at <= dk.GEMV_MAX_ROWS rows: the projections as the kit's GEMV kernels
         # with the kernels: launched with programmatic dependent launch where the device and Triton allow it
         self.pdl = pdl and dk.pdl_available(self.device)
-        self.merge_attention = merge_attention  # with the kernels: the attention merge in its partials kernel
-        self.prefetch_next = prefetch_next  # with the GEMV kernels: o's and the next q/k/v's weights asked for in L2
         self.steps_per_graph, self.prompt_slots = steps_per_graph, prompt_slots
         self.session: _Session | None = None
         self.modules = _ModuleDecoder(self) if self.layers is None else None
@@ -288,35 +278,30 @@ class StaticDecoder:
         return f["mlp"].act_fn(gate_B_I) * up_B_I
 
     @staticmethod
-    def _linear(s: _Session, x_B_K, w_N_K, b_N, prefetch=None):
-        """``x @ w^T + b``: the GEMV kernel(s) at the session's small batch (asking for ``prefetch``, a later
-        kernel's weights, in L2 where the session does), else cuBLAS."""
-        if s.gemv:
-            return dk.linear(x_B_K, w_N_K, b_N, pdl=s.pdl, prefetch=prefetch if s.prefetch_next else None)
-        return torch.nn.functional.linear(x_B_K, w_N_K, b_N)
+    def _linear(s: _Session, x_B_K, w_N_K, b_N):
+        """``x @ w^T + b``: the GEMV kernel(s) at the session's small batch, else cuBLAS."""
+        return dk.linear(x_B_K, w_N_K, b_N, pdl=s.pdl) if s.gemv else torch.nn.functional.linear(x_B_K, w_N_K, b_N)
 
-    def _linear_add_norm(self, s: _Session, x_B_K, linear, h_B_H, norm, prefetch=None):
+    def _linear_add_norm(self, s: _Session, x_B_K, linear, h_B_H, norm):
         """The residual add ``h += linear(x)`` (in place) and HF's RMSNorm of the sum: (h, normed); at the
-        session's small batch the projection's partial sums, the add and the norm in one kernel (``prefetch`` as
-        ``_linear``)."""
+        session's small batch the projection's partial sums, the add and the norm in one kernel."""
         if s.gemv:
             return dk.linear_add_rms_norm(x_B_K, linear.weight, linear.bias, h_B_H, norm.weight, norm.variance_epsilon,
-                                          pdl=s.pdl, prefetch=prefetch if s.prefetch_next else None)
+                                          pdl=s.pdl)
         return self._add_norm(s, h_B_H, self._linear(s, x_B_K, linear.weight, linear.bias), norm)
 
     def _layer(self, s: _Session, i: int, f: dict, h_B_H, x_B_H, next_norm):
         """Layer ``i`` for one token per row: ``h`` the residual stream, ``x`` its input norm; returns the new
         stream and its norm by ``next_norm`` (the next layer's input norm, or the final one)."""
         B = h_B_H.shape[0]
-        o_B_H_D = self._attend(s, i, f, self._linear(s, x_B_H, f["w_qkv"], f["b_qkv"], f["attn"].o_proj.weight))
+        o_B_H_D = self._attend(s, i, f, self._linear(s, x_B_H, f["w_qkv"], f["b_qkv"]))
         h_B_H, x_B_H = self._linear_add_norm(s, o_B_H_D.reshape(B, -1), f["attn"].o_proj, h_B_H, f["ln2"])
         if s.gemv and self.silu:  # the gate/up projection and silu * up in one pass
             act_B_I = dk.linear_silu(x_B_H, f["w_gu"], f["b_gu"], pdl=s.pdl)
         else:
             gu_B_X = self._linear(s, x_B_H, f["w_gu"], f["b_gu"])
             act_B_I = dk.silu_mul(gu_B_X, s.pdl) if s.kernels and self.silu else self._mlp_act(f, gu_B_X)
-        next_qkv = self.layers[i + 1]["w_qkv"] if i + 1 < len(self.layers) else None
-        return self._linear_add_norm(s, act_B_I, f["mlp"].down_proj, h_B_H, next_norm, next_qkv)
+        return self._linear_add_norm(s, act_B_I, f["mlp"].down_proj, h_B_H, next_norm)
 
     def _sample(self, s: _Session, raw_B_V, t):
         """The sampled ids (B,) and their log π (B,) from raw logits (B, V) fp32 at token index ``t``."""
@@ -469,8 +454,7 @@ class StaticDecoder:
                         break
             t = min(t, T)
             self.stats.update(decode_steps=t, fused_layers=True, kernels=s.kernels, steps_per_graph=S,
-                              prompt_slots=s.Sp, pdl=s.pdl, merge_attention=s.kernels and self.merge_attention,
-                              prefetch_next=s.prefetch_next)
+                              prompt_slots=s.Sp, pdl=s.pdl)
             return s.out_ids_B_T[:, :t].clone(), s.out_logp_B_T[:, :t].clone()
 
 
