@@ -134,7 +134,9 @@ def main(argv=None) -> int:
     gains: dict[str, list] = {k: [] for k in SHAPES}
     only = set(args.only.split(",")) if args.only else set(CANDIDATES)
     for name, configs in CANDIDATES.items():
-        for cfg in configs if name in only else []:
+        if name not in only:
+            continue
+        for cfg in configs:
             if time.perf_counter() - t_start > args.budget_s:
                 emit({"what": "stopped: budget", "at": [name, cfg]})
                 break

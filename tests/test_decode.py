@@ -139,4 +139,3 @@ def test_the_gemv_rule_loads_first_no_more_blocks_than_a_split_has():
             blocks = math.ceil(math.ceil(n_in / split) / block_k)  # of one split, as gemv_launch rounds it
             assert 1 <= pre <= blocks, (n_out, n_in, pre)
     assert gemv_config(1536, 1536)[5] == 2 and gemv_config(2048, 1536)[5] == 1 and gemv_config(1536, 8960)[5] == 1
-

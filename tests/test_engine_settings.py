@@ -98,9 +98,8 @@ def test_padding_rows_are_never_sampled(tiny_llama, tok, engine):
 
 
 def test_every_decode_setting_of_the_params_reaches_the_static_decoder(tiny_llama, tok):
-    """``rollout.decode_*`` (gemv, pdl) go to the HF engine as the static decoder's
-    keyword options, each with the value the params give, and the decoder takes each of them (the decoder itself
-    is built only on CUDA)."""
+    """``rollout.decode_*`` (gemv, pdl) go to the HF engine as the static decoder's keyword options, each with the
+    value the params give, and the decoder takes each of them (the decoder itself is built only on CUDA)."""
     import inspect
 
     from opdkit.config import load_config
