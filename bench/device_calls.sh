@@ -81,6 +81,9 @@
 #                                AttentionPlan defaults to 128 / 64 programs (/tmp/kit_p128, /tmp/kit_p64) (~8 min)
 #   x2: carry .lane              (after x1; the copy is remade if the machine is fresh) S1 at 7,168, 4 steps: this kit,
 #                                this kit with runtime.checkpoint_keep_matmuls, /tmp/kit_p$X2_PROGRAMS (128) (~8 min)
+#   y1: carry .lane              (an H200) S1 at 7,168, 4 steps: keep-matmuls, the default, keep-matmuls again (~7 min)
+#   y2: carry .lane              the update's profile at 7,168 with the copies by shape (v3's); the down projection's
+#                                GEMV settings in the decoder (gemv_pre_bench --only down); the decoder at 1,024 (~7 min)
 #   e0: carry .lane              e1's evaluation through the kit's decoder alone (~3 min with the pair's preparation)
 #   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
 #                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
@@ -313,6 +316,21 @@ print(f\"{r['block']},{r['warps']}\")")
     s1_run s1_7168 4 140 -S rollout.max_new_tokens=7168
     s1_run s1_7168_keepmm 4 140 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
     s1_run "s1_7168_p$P" 4 140 --kit "/tmp/kit_p$P" -S rollout.max_new_tokens=7168
+    ;;
+  y1)  # on an H200 (on an H100 this was x2's, 2026-12-05): S1 at 7,168, 4 steps, keep-matmuls / default / keep-matmuls
+    # (~7 min with the preparation; 7,168 runs took 106-116 s on 2026-12-05)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/calls.txt"
+    s1_run s1_7168_keepmm 4 135 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
+    s1_run s1_7168 4 135 -S rollout.max_new_tokens=7168
+    s1_run s1_7168_keepmm_2 4 135 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
+    ;;
+  y2)  # v3's update profile at 7,168 (the copies by input shape); the down projection's GEMV settings in the decoder;
+    # the static decoder at 1,024 beside the bound (~7 min)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/calls.txt"
+    lim 200 python3 bench/s1_speed.py update --root "$R" --out "$OUT" --max-new-tokens 7168 --modes packed \
+      > "$OUT/update_log.txt" 2>&1
+    lim 130 python3 bench/gemv_pre_bench.py --root "$R" --out "$OUT" --only down --budget-s 100 > "$OUT/gemv_log.txt" 2>&1
+    lim 80 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
     ;;
   e0|e1)  # e0: the kit's decoder alone (no vLLM needed)
     for eng in hf $([ "$PHASE" = e1 ] && echo vllm); do
