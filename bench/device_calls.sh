@@ -97,6 +97,12 @@ set -uo pipefail
 PHASE=${1:?usage: bash bench/device_calls.sh a|b|c|d}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/vparts
+# ONLY_ON=H200: stop at once (before the preparation) on any other card, so a call that finds an H100 costs seconds
+if [ -n "${ONLY_ON:-}" ] && ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "$ONLY_ON"; then
+  echo "ONLY_ON=$ONLY_ON: this is a $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); nothing run" \
+    | tee "$OUT/calls.txt"
+  exit 0
+fi
 for d in .v0 .v1 .v2; do [ -d $d ] && cp $d/part_* /tmp/vparts/; done
 source bench/vllm_tree.sh  # once all three parts are there
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
