@@ -80,8 +80,8 @@
 #                                7,168 and 1,024 new tokens; the static decoder at 7,168 of this kit and of copies whose
 #                                AttentionPlan defaults to 128 / 64 programs (/tmp/kit_p128, /tmp/kit_p64) (~8 min)
 #   x2: carry .lane              (after x1; the copy is remade if the machine is fresh) S1 at 7,168, 4 steps: this kit,
-#                                this kit with runtime.checkpoint_keep_matmuls, /tmp/kit_p$X2_PROGRAMS (128) (~8 min)
-#   y1: carry .lane              (an H200) S1 at 7,168, 4 steps: keep-matmuls, the default, keep-matmuls again (~7 min)
+#                                this kit with runtime.checkpoint_keep_matmuls off, /tmp/kit_p$X2_PROGRAMS (128) (~8 min)
+#   y1: carry .lane              (an H200) S1 at 7,168, 4 steps: runtime.checkpoint_keep_matmuls on, off, on (~7 min)
 #   y2: carry .lane              the update's profile at 7,168 with the copies by shape (v3's); the down projection's
 #                                GEMV settings in the decoder (gemv_pre_bench --only down); the decoder at 1,024 (~7 min)
 #   e0: carry .lane              e1's evaluation through the kit's decoder alone (~3 min with the pair's preparation)
@@ -320,14 +320,14 @@ print(f\"{r['block']},{r['warps']}\")")
     P=${X2_PROGRAMS:-128}
     kit_programs "$P"
     s1_run s1_7168 4 140 -S rollout.max_new_tokens=7168
-    s1_run s1_7168_keepmm 4 140 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
+    s1_run s1_7168_no_keepmm 4 140 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=false
     s1_run "s1_7168_p$P" 4 140 --kit "/tmp/kit_p$P" -S rollout.max_new_tokens=7168
     ;;
-  y1)  # on an H200 (on an H100 this was x2's, 2026-12-05): S1 at 7,168, 4 steps, keep-matmuls / default / keep-matmuls
-    # (~7 min with the preparation; 7,168 runs took 106-116 s on 2026-12-05)
+  y1)  # S1 at 7,168, 4 steps, runtime.checkpoint_keep_matmuls on / off / on (~7 min with the preparation; 7,168
+    # runs took 95-118 s on 2026-12-05; the switch is on by default since that day's H200 run)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/calls.txt"
     s1_run s1_7168_keepmm 4 135 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
-    s1_run s1_7168 4 135 -S rollout.max_new_tokens=7168
+    s1_run s1_7168 4 135 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=false
     s1_run s1_7168_keepmm_2 4 135 -S rollout.max_new_tokens=7168 -S runtime.checkpoint_keep_matmuls=true
     ;;
   y2)  # v3's update profile at 7,168 (the copies by input shape); the down projection's GEMV settings in the decoder;
