@@ -383,7 +383,8 @@ class RuntimeConfig:
     # Under grad_checkpointing with that share: checkpointed layers first keep their projections' outputs too (their
     # recompute then runs only the elementwise ops), as many as the share holds (tokens x memory.kept_matmul_bytes
     # each), and only the rest of it leaves layers unchecked (memory.layer_plan). The same gradients; false = the
-    # share leaves layers unchecked only. On: S1's full steps at 7,168 new tokens 0.03-0.05 s faster on an H200, the
+    # share leaves layers unchecked only, as it does for a LoRA student (its adapters' outputs would double what a
+    # layer keeps: step.uncheck_layers). On: S1's full steps at 7,168 new tokens 0.03-0.05 s faster on an H200, the
     # same on an H100, 2-9 GB more at the peak (BENCHMARKS.md, "2026-12-05 (fourteenth session)")
     checkpoint_keep_matmuls: bool = True
     logprob_chunk: int = 2048  # positions per chunk when computing log-softmax over the vocab

@@ -364,11 +364,15 @@ def uncheck_layers(student, g, share: float, unpadded: bool, *, keep_attention: 
     pads removed, else every position): with ``keep_matmuls`` (runtime.checkpoint_keep_matmuls) as many layers as
     fit keep their projections' outputs and of those as many as the rest allows run unchecked
     (``memory.layer_plan``), else only unchecked layers, as many as fit; the others checkpointed
-    (``models.checkpoint_all_but_last``). The same gradients. Returns (unchecked, keeping their matmuls)."""
+    (``models.checkpoint_all_but_last``). The same gradients. Returns (unchecked, keeping their matmuls).
+    ``keep_matmuls`` applies to a fully trained student only: with adapters (LoRA) on a frozen base each adapted
+    projection also keeps its adapter's outputs, one as wide as its own, which ``memory.kept_matmul_bytes`` does not
+    count (the layers would take about twice the memory the plan counted)."""
     decoder, _ = unwrap(student)
     param = next(decoder.parameters())
     compute_bytes = 2 if torch.is_autocast_enabled(param.device.type) else param.element_size()
     s = memory.shape_of(student)
+    keep_matmuls = keep_matmuls and s.trainable == s.params  # no frozen base under adapters
     tokens = int(g.attention_mask_B_S.sum()) if unpadded else g.input_ids_B_S.numel()
     reserve = memory.checkpointed_update_bytes(s, tokens, g.input_ids_B_S.shape[0], min(chunk, g.completion_len),
                                                compute_bytes, keep_attention)

@@ -186,6 +186,79 @@ def test_uncheck_layers_leaves_unchecked_as_many_layers_as_the_spare_memory_hold
     assert all("context_fn" not in getattr(lay._gradient_checkpointing_func, "keywords", {}) for lay in layers)
 
 
+def matmul_output_bytes(layer, x_B_S_H: torch.Tensor, position_embeddings) -> int:
+    """Bytes of the outputs of the ops whose outputs a layer keeping its matmuls saves (``models.MATMUL_OPS``: the
+    projections' matrix products, a LoRA adapter's included) in one forward of ``layer``, counted as they run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from opdkit.models import MATMUL_OPS
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if str(func).rsplit(".", 1)[0] in MATMUL_OPS:
+                Count.n += out.numel() * out.element_size()
+            return out
+
+    with Count():
+        layer(x_B_S_H, attention_mask=None, position_embeddings=position_embeddings)
+    return Count.n
+
+
+def test_a_layer_keeping_its_matmuls_saves_what_the_estimate_counts_and_twice_that_under_lora(students):
+    """memory.kept_matmul_bytes against the matrix products' outputs of one layer's forward, counted as they run: the
+    same bytes for the fully trained student; with LoRA on every projection each adapter adds an output as wide as its
+    projection's (and a rank-wide one), about twice the estimate: why step.uncheck_layers keeps no matmuls there."""
+    from peft import LoraConfig, get_peft_model
+
+    from opdkit.memory import kept_matmul_bytes, shape_of
+
+    model = load_model(students["fixture"], torch.device("cpu"), trainable=True)
+    s = shape_of(model)
+    B, S = 2, 16
+    x_B_S_H = torch.randn(B, S, s.hidden)
+    decoder = unwrap(model)[0]
+    pe = decoder.rotary_emb(x_B_S_H, torch.arange(S)[None].expand(B, S))
+    est = B * S * kept_matmul_bytes(s.hidden, s.kv, s.intermediate, 4)
+    assert matmul_output_bytes(decoder.layers[0], x_B_S_H, pe) == est
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # S2's, the OPSD recipe's
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=every, task_type="CAUSAL_LM"))
+    assert matmul_output_bytes(unwrap(wrapped)[0].layers[0], x_B_S_H, pe) == 2 * est + B * S * 4 * 7 * 4
+
+
+def test_uncheck_layers_keeps_no_matmuls_of_a_lora_student(students, monkeypatch):
+    """step.uncheck_layers with keep_matmuls under LoRA: the plan a keep_matmuls=False call makes (unchecked layers
+    only), where a fully trained student's plan at the same spare memory keeps one layer's matmuls."""
+    from peft import LoraConfig, get_peft_model
+
+    from opdkit import memory, step
+    from opdkit.models import enable_checkpointing
+    from opdkit.scoring import build_geometry
+
+    g = build_geometry(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                       torch.randint(5, 30, (2, 4)), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]))
+    real = int(g.attention_mask_B_S.sum())
+    plans = {}
+    for lora in (False, True):
+        model = load_model(students["fixture"], torch.device("cpu"), trainable=True).train()
+        enable_checkpointing(model, keep_attention=True)
+        if lora:
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj"],
+                                                     task_type="CAUSAL_LM"))
+        s = memory.shape_of(model)
+        assert (s.trainable < s.params) == lora
+        reserve = memory.checkpointed_update_bytes(s, real, 2, 3, 4, True)
+        kept = memory.kept_matmul_bytes(s.hidden, s.kv, s.intermediate, 4)
+        free = reserve + 2 * real * kept
+        monkeypatch.setattr(memory, "free_device_bytes", lambda device, free=free: free)
+        plans[lora] = [step.uncheck_layers(model, g, 0.5, True, keep_attention=True, chunk=3, keep_matmuls=keep)
+                       for keep in (True, False)]
+    assert plans[False] == [(0, 1), (0, 0)]  # half the spare memory: one layer's matmuls, or no layer unchecked
+    assert plans[True] == [(0, 0), (0, 0)]
+
+
 def test_the_layer_plan_keeps_matmuls_first_then_leaves_layers_unchecked():
     """memory.layer_plan: as many layers as the budget holds keep their matmuls (kept bytes each); of those, as many
     as the rest holds at the difference run unchecked; never more than the layers; without kept bytes, unchecked
