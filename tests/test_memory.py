@@ -224,8 +224,10 @@ def test_a_layer_keeping_its_matmuls_saves_what_the_estimate_counts_and_twice_th
     est = B * S * kept_matmul_bytes(s.hidden, s.kv, s.intermediate, 4)
     assert matmul_output_bytes(decoder.layers[0], x_B_S_H, pe) == est
     every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # S2's, the OPSD recipe's
-    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=every, task_type="CAUSAL_LM"))
-    assert matmul_output_bytes(unwrap(wrapped)[0].layers[0], x_B_S_H, pe) == 2 * est + B * S * 4 * 7 * 4
+    r, fp32 = 4, 4
+    wrapped = get_peft_model(model, LoraConfig(r=r, target_modules=every, task_type="CAUSAL_LM"))
+    # each adapter: lora_B's output as wide as its projection's, lora_A's r wide
+    assert matmul_output_bytes(unwrap(wrapped)[0].layers[0], x_B_S_H, pe) == 2 * est + B * S * r * len(every) * fp32
 
 
 def test_uncheck_layers_keeps_no_matmuls_of_a_lora_student(students, monkeypatch):
