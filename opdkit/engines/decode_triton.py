@@ -124,6 +124,8 @@ def rope_attn_partial_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, s
 @triton.jit
 def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
                        D: tl.constexpr, PDL: tl.constexpr):
+    """Program bh = b * H + h: query head bh's NSPLIT splits' partials (acc, m, l) merged into the attention output
+    (D,), rounded to out's dtype; the splits with no visible slot (m = -inf) get weight 0 and are not read."""
     _pdl_enter(PDL)
     bh = tl.program_id(0)  # b * H + h
     s = tl.arange(0, NSP)
@@ -137,6 +139,7 @@ def attn_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NSPLIT: tl.constexpr, NSP
     acc = tl.load(acc_ptr + (bh * NSPLIT + s[:, None]) * D + d[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * lsum, 0)
     tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+
 
 @triton.jit
 def silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, BLOCK: tl.constexpr, PDL: tl.constexpr):
