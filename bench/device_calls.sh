@@ -84,6 +84,9 @@
 #   y1: carry .lane              (an H200) S1 at 7,168, 4 steps: runtime.checkpoint_keep_matmuls on, off, on (~7 min)
 #   y2: carry .lane              the update's profile at 7,168 with the copies by shape (v3's); the down projection's
 #                                GEMV settings in the decoder (gemv_pre_bench --only down); the decoder at 1,024 (~7 min)
+#   z1: (nothing carried)        what a dependent step between two phases costs apart from the work: 224 phases as PDL
+#                                kernels in one graph vs one persistent kernel waiting on a grid-wide counter, with and
+#                                without weights streamed a phase (bench/sync_floor.py, ~2 min)
 #   e0: carry .lane              e1's evaluation through the kit's decoder alone (~3 min with the pair's preparation)
 #   e1: carry .lane              (vLLM already unpacked by earlier calls' parts) opdkit eval of the S1 student, 64
 #                                questions x 4 samples x 2,048 new tokens, eval.engine=hf then vllm: wall seconds each
@@ -141,7 +144,7 @@ s1_1024_before_after() {  # SECONDS: S1 at 1,024 new tokens, 4 steps, of the kit
   s1_run s1_1024_before 4 "$1" --kit .speed/head -S rollout.max_new_tokens=1024
   s1_run s1_1024 4 "$1" -S rollout.max_new_tokens=1024
 }
-[ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ "$PHASE" = h1 ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
+[ "$PHASE" = copy ] || [ "$PHASE" = vt ] || [ "$PHASE" = z1 ] || [ "$PHASE" = h1 ] || [ -d "$R/s1/student" ] || lim 150 python3 bench/real_lane.py prepare --root "$R" --assets .lane --pairs s1 >> "$OUT/parts.txt" 2>&1
 case $PHASE in
   copy) ;;
   h1)
@@ -337,6 +340,11 @@ print(f\"{r['block']},{r['warps']}\")")
       > "$OUT/update_log.txt" 2>&1
     lim 130 python3 bench/gemv_pre_bench.py --root "$R" --out "$OUT" --only down --budget-s 100 > "$OUT/gemv_log.txt" 2>&1
     lim 80 python3 bench/s1_speed.py static --root "$R" --out "$OUT" --max-new-tokens 1024 --impls new >> "$OUT/parts.txt" 2>&1
+    ;;
+  z1)
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/calls.txt"
+    lim 240 python3 bench/sync_floor.py --out "$OUT" --programs 132,264 --weights 0,6291456,27525120 \
+      > "$OUT/sync_log.txt" 2>&1
     ;;
   e0|e1)  # e0: the kit's decoder alone (no vLLM needed)
     for eng in hf $([ "$PHASE" = e1 ] && echo vllm); do
