@@ -11,10 +11,11 @@ does: what the wait costs when there is memory traffic to hide behind it.
     python bench/sync_floor.py --out /tmp/out --device cpu   # a dry run of the code paths (Triton's interpreter)
 
 Writes one JSON row per (variant, programs, weight bytes a phase) to OUT/sync.jsonl: microseconds per phase (median
-of ``--repeats`` timed replays of the graph), and whether every chunk holds what the NPH phases must leave in it (a
-lost wait shows there as a wrong chunk). The persistent kernel needs all its P programs resident at once: P is at
-most the multiprocessors times the programs that fit on one, and its waits give up after ``--max-spin`` polls in
-all (the row then says ``correct: false`` rather than hanging the GPU).
+of ``--repeats`` timed replays of the graph; each replay also copies the first chunks in and, for the persistent
+kernel, zeroes the counter: two small launches spread over the NPH phases), and whether every chunk holds what the
+NPH phases must leave in it (a lost wait shows there as a wrong chunk). The persistent kernel needs all its P
+programs resident at once: P is at most the multiprocessors times the programs that fit on one, and its waits give
+up after ``--max-spin`` polls in all (the row then says ``correct: false`` rather than hanging the GPU).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -55,8 +57,6 @@ def main(argv=None) -> int:
     cpu = args.device == "cpu"
     if cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
-    import sys
-
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
